@@ -1,0 +1,42 @@
+"""Canonical JSON: the one serialisation every hash in agent-txn is taken over.
+
+Sorted keys, ``,``/``:`` separators with no spaces, non-ASCII escaped (``ensure_ascii``), no NaN or
+infinities (they have no JSON form and would make two equal payloads hash differently). The same
+helper fingerprints payloads, chains the ledger and digests command definitions, so a digest a
+caller computes with any standard JSON library (``json.dumps(obj, sort_keys=True,
+separators=(",", ":"), ensure_ascii=True)``) matches ours.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+
+class NotCanonicalizable(ValueError):
+    """The value has no canonical JSON form (a set, a datetime, NaN, a non-string key ...)."""
+
+
+def canonical_json(value: Any) -> str:
+    """The canonical JSON text of ``value``; raises :class:`NotCanonicalizable` if it has none."""
+    try:
+        return json.dumps(
+            value,
+            sort_keys=True,
+            separators=(",", ":"),
+            ensure_ascii=True,
+            allow_nan=False,
+        )
+    except (TypeError, ValueError) as exc:
+        raise NotCanonicalizable(str(exc)) from exc
+
+
+def sha256_hex(text: str) -> str:
+    """Hex SHA-256 of ``text`` encoded as UTF-8 (canonical JSON is pure ASCII anyway)."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def fingerprint(value: Any) -> str:
+    """SHA-256 of the canonical JSON of ``value``: the payload fingerprint and definition digest."""
+    return sha256_hex(canonical_json(value))

@@ -1,0 +1,71 @@
+"""The storage layer's own small exception types; the orchestrator maps them to error codes.
+
+::
+
+    StorageError
+    ├── InvalidTransition   a write asked for an edge the state table lacks (a bug)
+    ├── LeaseLost           a fenced write matched no row: another holder owns it now
+    ├── DuplicateKey        a unique key (op key, business key, ...) already exists
+    ├── LedgerTampered      the hash chain or the replay does not match the rows
+    ├── SchemaOutdated      the database is behind this package's migrations
+    ├── StoreBusy           lock contention (SQLite busy, PostgreSQL lock/serialization); retryable
+    └── StoreUnavailable    the database could not be reached or the connection dropped; retryable
+
+Driver exceptions are translated in :mod:`ledger.dialects` with ``raise ... from exc`` so the
+original stays in the traceback for operators but never reaches a caller's error envelope.
+"""
+
+from __future__ import annotations
+
+
+class StorageError(Exception):
+    """Base class of every error raised by :mod:`ledger`."""
+
+    retryable: bool = False
+
+
+class InvalidTransition(StorageError):
+    """A state change that the transition table does not allow."""
+
+    def __init__(self, machine: str, from_state: str, to_state: str) -> None:
+        super().__init__(f"{machine} transition {from_state!r} -> {to_state!r} is not allowed")
+        self.machine = machine
+        self.from_state = from_state
+        self.to_state = to_state
+
+
+class LeaseLost(StorageError):
+    """A fenced write matched no row: the lease expired and another holder claimed the row."""
+
+    def __init__(self, subject: str, fence: int) -> None:
+        super().__init__(f"lease on {subject} lost (fence {fence} is no longer current)")
+        self.subject = subject
+        self.fence = fence
+
+
+class DuplicateKey(StorageError):
+    """A row with the same unique key already exists."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(f"duplicate {what}")
+        self.what = what
+
+
+class LedgerTampered(StorageError):
+    """The ledger's hash chain or replay disagrees with the stored rows."""
+
+
+class SchemaOutdated(StorageError):
+    """The database schema is older (or newer) than the migrations this package ships."""
+
+
+class StoreBusy(StorageError):
+    """Lock contention; the same write may succeed if retried."""
+
+    retryable = True
+
+
+class StoreUnavailable(StorageError):
+    """The database could not be reached or the connection dropped mid-transaction."""
+
+    retryable = True
