@@ -6,7 +6,7 @@ Conventions that hold for every table:
   **database** clock (see :func:`ledger.dialects.db_now_ms`), so the type must be one both backends
   do arithmetic on without dialect-specific interval types (DBOS does the same).
 * ``operations``, ``compensation_steps`` and ``outbox`` share one effect state machine and therefore
-  one set of effect columns (``state``, ``claimed_from``, lease, ``fence``, ``attempts``, ...), so one
+  one set of effect columns (``state``, ``claimed_from``, lease, ``fence``, ...), so one
   repository (:mod:`ledger.effects`) serves all three.
 * CHECK constraints make the database refuse impossible shapes too: an ``executing`` row has an
   owner, a lease and a fence; a ``pending`` row has no owner; a ``confirmed`` row has a remote id.
@@ -17,6 +17,8 @@ The Alembic migrations in ``ledger/migrations`` create exactly this; a test comp
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from sqlalchemy import (
     JSON,
@@ -103,7 +105,7 @@ Index(
 Index("ix_transactions_status_next", transactions.c.status, transactions.c.next_attempt_at)
 
 
-def _effect_columns() -> list[Column[object]]:
+def _effect_columns() -> list[Column[Any]]:
     """Columns of the shared effect state machine (fresh objects per table)."""
     return [
         Column("provider", String(100), nullable=False),

@@ -62,16 +62,16 @@ TX_TRANSITIONS: Final[Mapping[TxState, frozenset[TxState]]] = {
     TxState.EXECUTING: frozenset(
         {
             TxState.VALIDATING,  # executing -- every forward op confirmed --> validating
-            TxState.COMPENSATING,  # executing -- definite failure after confirmed effects --> compensating
+            TxState.COMPENSATING,  # executing -- failed after confirmed effects --> compensating
             TxState.FAILED,  # executing -- definite failure, nothing confirmed --> failed
-            TxState.MANUAL_REVIEW,  # executing -- op undecidable / budget exhausted --> manual_review
+            TxState.MANUAL_REVIEW,  # executing -- undecidable / budget spent --> manual_review
         }
     ),
     TxState.VALIDATING: frozenset(
         {
             TxState.COMMITTED,  # validating -- post-conditions hold --> committed
             TxState.COMPENSATING,  # validating -- post-condition failed --> compensating
-            TxState.MANUAL_REVIEW,  # validating -- failed, but an effect cannot be reversed --> manual_review
+            TxState.MANUAL_REVIEW,  # validating -- failed, effect irreversible --> manual_review
         }
     ),
     TxState.COMPENSATING: frozenset(
@@ -83,11 +83,11 @@ TX_TRANSITIONS: Final[Mapping[TxState, frozenset[TxState]]] = {
     ),
     TxState.MANUAL_REVIEW: frozenset(
         {
-            TxState.EXECUTING,  # manual_review -- operator resolved an op, saga resumes --> executing
+            TxState.EXECUTING,  # manual_review -- operator resolved an op --> executing
             TxState.VALIDATING,  # manual_review -- operator confirmed the last op --> validating
             TxState.COMPENSATING,  # manual_review -- operator resolved as failed --> compensating
-            TxState.COMPENSATED,  # manual_review -- operator confirmed the last reversal --> compensated
-            TxState.FAILED,  # manual_review -- operator proved nothing happened --> failed
+            TxState.COMPENSATED,  # manual_review -- last reversal confirmed --> compensated
+            TxState.FAILED,  # manual_review -- nothing happened --> failed
         }
     ),
     TxState.COMMITTED: frozenset(),
@@ -104,11 +104,11 @@ EFFECT_TRANSITIONS: Final[Mapping[EffectState, frozenset[EffectState]]] = {
     ),
     EffectState.EXECUTING: frozenset(
         {
-            EffectState.EXECUTING,  # executing -- lease expired, re-claimed (lookup first) --> executing
+            EffectState.EXECUTING,  # executing -- lease expired, re-claimed --> executing
             EffectState.CONFIRMED,  # executing -- provider confirmed / lookup found --> confirmed
-            EffectState.FAILED,  # executing -- provider rejected / lookup proved absent --> failed
-            EffectState.UNKNOWN,  # executing -- timeout, lost response, lookup unavailable --> unknown
-            EffectState.MANUAL_REVIEW,  # executing -- undecidable or budget exhausted --> manual_review
+            EffectState.FAILED,  # executing -- provider rejected --> failed
+            EffectState.UNKNOWN,  # executing -- timeout / lost response --> unknown
+            EffectState.MANUAL_REVIEW,  # executing -- undecidable / budget spent --> manual_review
         }
     ),
     EffectState.UNKNOWN: frozenset(
@@ -129,7 +129,9 @@ EFFECT_TRANSITIONS: Final[Mapping[EffectState, frozenset[EffectState]]] = {
 }
 
 #: States from which a claim may take an effect (derived, so the claim CAS and the table agree).
-CLAIMABLE: Final = frozenset(s for s, nxt in EFFECT_TRANSITIONS.items() if EffectState.EXECUTING in nxt)
+CLAIMABLE: Final = frozenset(
+    s for s, nxt in EFFECT_TRANSITIONS.items() if EffectState.EXECUTING in nxt
+)
 #: States in which the provider may already hold the effect: a claim from here looks up first.
 MAYBE_SENT: Final = frozenset({EffectState.EXECUTING, EffectState.UNKNOWN})
 

@@ -1,0 +1,173 @@
+"""Every SQLite- or PostgreSQL-specific line of the store lives here.
+
+* engine construction: SQLite in WAL with ``busy_timeout``, ``foreign_keys=ON`` and ``BEGIN
+  IMMEDIATE`` write transactions (aiosqlite recipe: the driver's own BEGIN is disabled so ours is
+  the only one); PostgreSQL through asyncpg with pre-ping so connections killed by a server restart
+  are replaced instead of failing the next claim;
+* the database clock as a ``BIGINT`` of epoch milliseconds, so leases are never judged by a
+  worker's clock;
+* translation of driver exceptions into :mod:`ledger.errors`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from sqlalchemy import BigInteger, Table, event, literal_column
+from sqlalchemy.dialects.postgresql import insert as postgresql_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.engine import Connection, make_url
+from sqlalchemy.exc import DBAPIError, IntegrityError, InterfaceError, OperationalError
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+from sqlalchemy.sql.dml import Insert
+from sqlalchemy.sql.elements import ColumnElement
+
+from ledger.errors import DuplicateKey, StorageError, StoreBusy, StoreUnavailable
+
+Dialect = Literal["sqlite", "postgresql"]
+
+#: Execution option that marks a connection's transactions as read-only (SQLite: BEGIN DEFERRED).
+READ_ONLY_OPTION = "agent_txn_read_only"
+
+_PG_BUSY_CODES = frozenset({"40001", "40P01", "55P03"})  # serialization, deadlock, lock timeout
+_PG_UNIQUE = "23505"
+
+
+def dialect_of(url: str) -> Dialect:
+    """``sqlite`` or ``postgresql`` for a SQLAlchemy URL; anything else is refused clearly."""
+    backend = make_url(url).get_backend_name()
+    if backend == "sqlite":
+        return "sqlite"
+    if backend == "postgresql":
+        return "postgresql"
+    raise ValueError(
+        f"unsupported database {backend!r}: use sqlite+aiosqlite:///path.db or postgresql+asyncpg://…"
+    )
+
+
+def normalize_url(url: str) -> str:
+    """Pick the async driver when the URL names none (``sqlite:///x`` → ``sqlite+aiosqlite``)."""
+    parsed = make_url(url)
+    if parsed.drivername == "sqlite":
+        parsed = parsed.set(drivername="sqlite+aiosqlite")
+    elif parsed.drivername in {"postgresql", "postgres"}:
+        parsed = parsed.set(drivername="postgresql+asyncpg")
+    return parsed.render_as_string(hide_password=False)
+
+
+def create_engine(
+    url: str,
+    *,
+    sqlite_synchronous: str = "FULL",
+    sqlite_busy_timeout_ms: int = 10_000,
+    pg_pool_size: int = 10,
+    pg_lock_timeout_ms: int = 10_000,
+) -> AsyncEngine:
+    """An engine for ``url`` with the settings the protocol relies on."""
+    url = normalize_url(url)
+    if dialect_of(url) == "sqlite":
+        return _sqlite_engine(url, sqlite_synchronous, sqlite_busy_timeout_ms)
+    return create_async_engine(
+        url,
+        pool_size=pg_pool_size,
+        max_overflow=pg_pool_size,
+        pool_pre_ping=True,
+        connect_args={
+            "server_settings": {
+                "application_name": "agent-txn",
+                "lock_timeout": str(pg_lock_timeout_ms),
+            }
+        },
+    )
+
+
+def _sqlite_engine(url: str, synchronous: str, busy_timeout_ms: int) -> AsyncEngine:
+    if synchronous.upper() not in {"OFF", "NORMAL", "FULL", "EXTRA"}:
+        raise ValueError(
+            f"sqlite synchronous must be OFF, NORMAL, FULL or EXTRA, not {synchronous!r}"
+        )
+    engine = create_async_engine(url, connect_args={"timeout": busy_timeout_ms / 1000})
+
+    @event.listens_for(engine.sync_engine, "connect")
+    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+        # Take transaction control away from the driver: it would issue a DEFERRED BEGIN lazily,
+        # and a deferred reader that later writes can deadlock on SQLite's single writer lock.
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")
+        # FULL by default: with NORMAL a power loss may undo a commit whose intent a provider
+        # already acted on, orphaning the effect. NORMAL is still safe against process crashes.
+        cursor.execute(f"PRAGMA synchronous={synchronous.upper()}")
+        cursor.execute(f"PRAGMA busy_timeout={int(busy_timeout_ms)}")
+        cursor.execute("PRAGMA foreign_keys=ON")
+        cursor.close()
+
+    @event.listens_for(engine.sync_engine, "begin")
+    def _on_begin(conn: Connection) -> None:
+        read_only = conn.get_execution_options().get(READ_ONLY_OPTION, False)
+        conn.exec_driver_sql("BEGIN DEFERRED" if read_only else "BEGIN IMMEDIATE")
+
+    return engine
+
+
+def db_now_ms(dialect: Dialect) -> ColumnElement[int]:
+    """The database's own clock in epoch milliseconds, evaluated per statement."""
+    if dialect == "postgresql":
+        # clock_timestamp(), not now(): now() is frozen at transaction start.
+        sql = "CAST(FLOOR(EXTRACT(EPOCH FROM clock_timestamp()) * 1000) AS BIGINT)"
+    else:
+        sql = "CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER)"
+    return literal_column(sql, type_=BigInteger())
+
+
+def translate(exc: BaseException) -> StorageError | None:
+    """Map a driver/SQLAlchemy exception to a storage error, or ``None`` if it is not one."""
+    if isinstance(exc, StorageError):
+        return exc
+    if isinstance(exc, IntegrityError):
+        code = _pg_code(exc)
+        text = str(exc.orig)
+        if code == _PG_UNIQUE or "UNIQUE constraint failed" in text:
+            return DuplicateKey(_constraint_hint(text))
+        return StorageError(f"integrity error: {type(exc.orig).__name__}")
+    if isinstance(exc, DBAPIError):
+        code = _pg_code(exc)
+        text = str(exc.orig).lower()
+        if code in _PG_BUSY_CODES or "database is locked" in text or "database is busy" in text:
+            return StoreBusy("lock contention")
+        if exc.connection_invalidated or isinstance(exc, InterfaceError) or _is_disconnect(exc):
+            return StoreUnavailable("database connection lost")
+        if isinstance(exc, OperationalError):
+            return StoreUnavailable("database operational error")
+        return None
+    if isinstance(exc, (ConnectionError, OSError)):
+        return StoreUnavailable("database unreachable")
+    return None
+
+
+def _pg_code(exc: DBAPIError) -> str | None:
+    orig = exc.orig
+    code = getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)
+    return str(code) if code else None
+
+
+def _is_disconnect(exc: DBAPIError) -> bool:
+    text = str(exc.orig).lower()
+    needles = ("connection is closed", "connection was closed", "terminating connection")
+    return any(n in text for n in needles) or (_pg_code(exc) or "").startswith("08")
+
+
+def _constraint_hint(text: str) -> str:
+    # Keep only the constraint/column name: never echo values from the row.
+    if "UNIQUE constraint failed:" in text:
+        return text.split("UNIQUE constraint failed:", 1)[1].strip().split()[0]
+    if 'constraint "' in text:
+        return text.split('constraint "', 1)[1].split('"', 1)[0]
+    return "key"
+
+
+def insert_ignore(dialect: Dialect, table: Table, values: dict[str, Any]) -> Insert:
+    """``INSERT … ON CONFLICT DO NOTHING`` for content-addressed rows written by many writers."""
+    if dialect == "postgresql":
+        return postgresql_insert(table).values(values).on_conflict_do_nothing()
+    return sqlite_insert(table).values(values).on_conflict_do_nothing()

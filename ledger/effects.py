@@ -1,0 +1,517 @@
+"""Repository of effects: operations, compensation steps and outbox events.
+
+The three tables share one state machine (:class:`~ledger.states.EffectState`) and one set of
+columns, so one set of functions serves all three, selected by :class:`EffectKind`.
+
+* :func:`claim` is a compare-and-set: ``UPDATE … WHERE state IN claimable AND lease expired …
+  RETURNING``. It increments the fence and judges the lease by the database clock. The row's old
+  state is kept in ``claimed_from`` (SQL evaluates every SET expression against the old row), so
+  the caller learns in the same statement whether the provider may have seen the effect already.
+* :func:`record` and :func:`renew` are fenced: ``WHERE key = :k AND fence = :f``. Zero rows means
+  another holder claimed the row after our lease expired: :class:`~ledger.errors.LeaseLost`.
+* Every state change appends its ledger row to the same :class:`~ledger.store.Work`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from sqlalchemy import ColumnElement, Table, and_, case, func, literal, or_, select, update
+from sqlalchemy.engine import Row
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from ledger.errors import LeaseLost
+from ledger.schema import Json, compensation_steps, operations, outbox
+from ledger.states import CLAIMABLE, MAYBE_SENT, EffectState, check_effect_transition
+from ledger.store import Chain, Work
+
+
+class EffectKind(StrEnum):
+    """Which of the three effect tables a row lives in."""
+
+    OPERATION = "operation"
+    COMPENSATION = "compensation"
+    OUTBOX = "outbox"
+
+
+_TABLES: dict[EffectKind, Table] = {
+    EffectKind.OPERATION: operations,
+    EffectKind.COMPENSATION: compensation_steps,
+    EffectKind.OUTBOX: outbox,
+}
+_KEY_COLUMN = {
+    EffectKind.OPERATION: "op_key",
+    EffectKind.COMPENSATION: "op_key",
+    EffectKind.OUTBOX: "event_key",
+}
+_NAME_COLUMN = {
+    EffectKind.OPERATION: "step",
+    EffectKind.COMPENSATION: "step",
+    EffectKind.OUTBOX: "kind",
+}
+
+
+def table_of(kind: EffectKind) -> Table:
+    """The table holding effects of ``kind``."""
+    return _TABLES[kind]
+
+
+def _key(kind: EffectKind) -> ColumnElement[str]:
+    return _TABLES[kind].c[_KEY_COLUMN[kind]]
+
+
+@dataclass(frozen=True, slots=True)
+class Effect:
+    """One effect row as stored."""
+
+    kind: EffectKind
+    key: str
+    tx_id: str
+    name: str
+    provider: str
+    action: str
+    ordinal: int
+    payload: Any
+    payload_sha256: str | None
+    state: EffectState
+    claimed_from: EffectState | None
+    lease_owner: str | None
+    lease_until: int | None
+    fence: int
+    attempts: int
+    lookups: int
+    first_attempt_at: int | None
+    next_attempt_at: int | None
+    remote_id: str | None
+    result: Any
+    last_error: str | None
+    forward_op_key: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class NewEffect:
+    """An effect to plan. ``payload`` may be ``None`` when it is rendered just before its claim."""
+
+    key: str
+    tx_id: str
+    name: str
+    provider: str
+    action: str
+    ordinal: int
+    payload: Any = None
+    payload_sha256: str | None = None
+    forward_op_key: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """Proof of a successful claim: the fence every later write of this holder must carry."""
+
+    kind: EffectKind
+    key: str
+    tx_id: str
+    name: str
+    provider: str
+    action: str
+    fence: int
+    previous: EffectState
+    attempts: int
+    lookups: int
+    first_attempt_at: int | None
+    payload: Any
+    payload_sha256: str | None
+    owner: str
+    lease_until: int | None = None
+    lease_ms: int = 0
+
+    @property
+    def claimed_at_ms(self) -> int | None:
+        """The database clock at the claim (its lease end minus the lease), if known."""
+        return None if self.lease_until is None else self.lease_until - self.lease_ms
+
+    @property
+    def maybe_sent(self) -> bool:
+        """The provider may already hold this effect: look it up before any apply."""
+        return self.previous in MAYBE_SENT
+
+
+def _effect(kind: EffectKind, row: Row[Any]) -> Effect:
+    m = row._mapping
+    return Effect(
+        kind=kind,
+        key=m[_KEY_COLUMN[kind]],
+        tx_id=m["tx_id"],
+        name=m[_NAME_COLUMN[kind]],
+        provider=m["provider"],
+        action=m["action"],
+        ordinal=m["ordinal"],
+        payload=m["payload"],
+        payload_sha256=m["payload_sha256"],
+        state=EffectState(m["state"]),
+        claimed_from=EffectState(m["claimed_from"]) if m["claimed_from"] else None,
+        lease_owner=m["lease_owner"],
+        lease_until=m["lease_until"],
+        fence=int(m["fence"]),
+        attempts=int(m["attempts"]),
+        lookups=int(m["lookups"]),
+        first_attempt_at=m["first_attempt_at"],
+        next_attempt_at=m["next_attempt_at"],
+        remote_id=m["remote_id"],
+        result=m["result"],
+        last_error=m["last_error"],
+        forward_op_key=m.get("forward_op_key"),
+    )
+
+
+def _claim_from_row(kind: EffectKind, row: Row[Any], owner: str, lease_ms: int) -> Claim:
+    e = _effect(kind, row)
+    assert e.claimed_from is not None  # set by every claim
+    return Claim(
+        kind=kind,
+        key=e.key,
+        tx_id=e.tx_id,
+        name=e.name,
+        provider=e.provider,
+        action=e.action,
+        fence=e.fence,
+        previous=e.claimed_from,
+        attempts=e.attempts,
+        lookups=e.lookups,
+        first_attempt_at=e.first_attempt_at,
+        payload=e.payload,
+        payload_sha256=e.payload_sha256,
+        owner=owner,
+        lease_until=e.lease_until,
+        lease_ms=lease_ms,
+    )
+
+
+async def insert(
+    work: Work,
+    chain: Chain,
+    kind: EffectKind,
+    new: Sequence[NewEffect],
+    *,
+    claim_first: tuple[str, int] | None = None,
+) -> Claim | None:
+    """Plan ``new`` effects (state ``pending``) in one statement.
+
+    With ``claim_first=(owner, lease_ms)`` the first effect is inserted already claimed (fence 1):
+    persisting the plan and the first claim share one commit, and the intent is still durable
+    before any provider call because the caller only calls after this commit.
+    """
+    if not new:
+        return None
+    table = _TABLES[kind]
+    now = work.db_now
+    rows: list[dict[str, Any]] = []
+    for index, e in enumerate(new):
+        claimed = claim_first is not None and index == 0
+        row: dict[str, Any] = {
+            _KEY_COLUMN[kind]: e.key,
+            "tx_id": e.tx_id,
+            _NAME_COLUMN[kind]: e.name,
+            "provider": e.provider,
+            "action": e.action,
+            "ordinal": e.ordinal,
+            "payload": e.payload,
+            "payload_sha256": e.payload_sha256,
+            "state": (EffectState.EXECUTING if claimed else EffectState.PENDING).value,
+            "claimed_from": EffectState.PENDING.value if claimed else None,
+            "lease_owner": claim_first[0] if claimed and claim_first else None,
+            "lease_until": (now + literal(claim_first[1])) if claimed and claim_first else None,
+            "fence": 1 if claimed else 0,
+            "attempts": 1 if claimed else 0,
+            "lookups": 0,
+            "first_attempt_at": now if claimed else None,
+            "next_attempt_at": None,
+            "remote_id": None,
+            "result": None,
+            "last_error": None,
+            "updated_at": work.now_ms,
+        }
+        if kind is EffectKind.COMPENSATION:
+            row["forward_op_key"] = e.forward_op_key
+        rows.append(row)
+    if len(rows) == 1 or claim_first is None:
+        await work.conn.execute(table.insert().values(rows))
+    else:
+        # Multi-VALUES with a SQL expression in some rows only: write the claimed row apart.
+        await work.conn.execute(table.insert().values(rows[:1]))
+        await work.conn.execute(table.insert().values(rows[1:]))
+    for e in new:
+        work.log(
+            chain,
+            action="plan",
+            subject=e.key,
+            to_state=EffectState.PENDING.value,
+            detail={"kind": kind.value, "name": e.name, "provider": e.provider, "action": e.action},
+        )
+    if claim_first is not None:
+        work.log(
+            chain,
+            action="claim",
+            subject=new[0].key,
+            from_state=EffectState.PENDING.value,
+            to_state=EffectState.EXECUTING.value,
+            detail={"fence": 1, "owner": claim_first[0], "attempt": 1},
+        )
+    if claim_first is None:
+        return None
+    first = new[0]
+    return Claim(
+        kind=kind,
+        key=first.key,
+        tx_id=first.tx_id,
+        name=first.name,
+        provider=first.provider,
+        action=first.action,
+        fence=1,
+        previous=EffectState.PENDING,
+        attempts=1,
+        lookups=0,
+        first_attempt_at=None,
+        payload=first.payload,
+        payload_sha256=first.payload_sha256,
+        owner=claim_first[0],
+    )
+
+
+async def claim(
+    work: Work,
+    chain: Chain,
+    kind: EffectKind,
+    key: str,
+    *,
+    owner: str,
+    lease_ms: int,
+    payload: Any = None,
+    payload_sha256: str | None = None,
+    due_only: bool = True,
+) -> Claim | None:
+    """Compare-and-set claim; ``None`` when the row is not claimable (owned, terminal, not due).
+
+    A payload given here is stored only if the row has none yet: the first rendering is frozen,
+    and the caller compares the returned ``payload_sha256`` with its own before any apply.
+    """
+    table = _TABLES[kind]
+    now = work.db_now
+    values: dict[str, Any] = {
+        "state": EffectState.EXECUTING.value,
+        "claimed_from": table.c.state,
+        "fence": table.c.fence + 1,
+        "lease_owner": owner,
+        "lease_until": now + literal(lease_ms),
+        "attempts": table.c.attempts + 1,
+        "first_attempt_at": case(
+            (table.c.first_attempt_at.is_(None), now), else_=table.c.first_attempt_at
+        ),
+        "updated_at": work.now_ms,
+    }
+    if payload_sha256 is not None:
+        values["payload"] = case(
+            (table.c.payload_sha256.is_(None), literal(payload, Json)), else_=table.c.payload
+        )
+        values["payload_sha256"] = case(
+            (table.c.payload_sha256.is_(None), literal(payload_sha256)),
+            else_=table.c.payload_sha256,
+        )
+    conditions = [
+        _key(kind) == key,
+        table.c.state.in_([s.value for s in CLAIMABLE]),
+        or_(table.c.state != EffectState.EXECUTING.value, table.c.lease_until <= now),
+    ]
+    if due_only:
+        conditions.append(or_(table.c.next_attempt_at.is_(None), table.c.next_attempt_at <= now))
+    stmt = update(table).where(and_(*conditions)).values(values).returning(*table.c)
+    row = (await work.conn.execute(stmt)).first()
+    if row is None:
+        return None
+    result = _claim_from_row(kind, row, owner, lease_ms)
+    work.log(
+        chain,
+        action="claim",
+        subject=key,
+        from_state=result.previous.value,
+        to_state=EffectState.EXECUTING.value,
+        detail={"fence": result.fence, "owner": owner, "attempt": result.attempts},
+    )
+    return result
+
+
+async def record(
+    work: Work,
+    chain: Chain,
+    claim_: Claim,
+    to_state: EffectState,
+    *,
+    action: str,
+    remote_id: str | None = None,
+    result: Any = None,
+    error: str | None = None,
+    retry_in_ms: int | None = None,
+    lookups: int = 0,
+    detail: Mapping[str, Any] | None = None,
+) -> None:
+    """Fenced write of the holder's outcome; raises :class:`LeaseLost` if the fence is stale."""
+    check_effect_transition(EffectState.EXECUTING, to_state)
+    table = _TABLES[claim_.kind]
+    now = work.db_now
+    values: dict[str, Any] = {
+        "state": to_state.value,
+        "lease_owner": None,
+        "lease_until": None,
+        "lookups": table.c.lookups + lookups,
+        "next_attempt_at": (now + literal(retry_in_ms)) if retry_in_ms is not None else None,
+        "updated_at": work.now_ms,
+    }
+    if remote_id is not None:
+        values["remote_id"] = remote_id
+    if result is not None:
+        values["result"] = result
+    if error is not None:
+        values["last_error"] = error[:1000]
+    stmt = (
+        update(table)
+        .where(
+            _key(claim_.kind) == claim_.key,
+            table.c.fence == claim_.fence,
+            table.c.state == EffectState.EXECUTING.value,
+        )
+        .values(values)
+    )
+    if (await work.conn.execute(stmt)).rowcount != 1:
+        raise LeaseLost(f"{claim_.kind.value} {claim_.key}", claim_.fence)
+    log_detail: dict[str, Any] = {"fence": claim_.fence, **(detail or {})}
+    if remote_id is not None:
+        log_detail["remote_id"] = remote_id
+    if error is not None:
+        log_detail["error"] = error[:500]
+    work.log(
+        chain,
+        action=action,
+        subject=claim_.key,
+        from_state=EffectState.EXECUTING.value,
+        to_state=to_state.value,
+        detail=log_detail,
+    )
+
+
+async def renew(work: Work, claim_: Claim, *, lease_ms: int) -> None:
+    """Heartbeat: extend the lease of a claim still held; :class:`LeaseLost` if it is not."""
+    table = _TABLES[claim_.kind]
+    stmt = (
+        update(table)
+        .where(
+            _key(claim_.kind) == claim_.key,
+            table.c.fence == claim_.fence,
+            table.c.state == EffectState.EXECUTING.value,
+        )
+        .values(lease_until=work.db_now + literal(lease_ms))
+    )
+    if (await work.conn.execute(stmt)).rowcount != 1:
+        raise LeaseLost(f"{claim_.kind.value} {claim_.key}", claim_.fence)
+
+
+async def skip_pending(work: Work, chain: Chain, kind: EffectKind, keys: Sequence[str]) -> None:
+    """Mark never-reached effects ``skipped`` (the caller holds the transaction's lease)."""
+    if not keys:
+        return
+    check_effect_transition(EffectState.PENDING, EffectState.SKIPPED)
+    table = _TABLES[kind]
+    stmt = (
+        update(table)
+        .where(_key(kind).in_(list(keys)), table.c.state == EffectState.PENDING.value)
+        .values(state=EffectState.SKIPPED.value, updated_at=work.now_ms)
+        .returning(_key(kind))
+    )
+    skipped = set((await work.conn.execute(stmt)).scalars().all())
+    for key in keys:
+        if key in skipped:
+            work.log(
+                chain,
+                action="skip",
+                subject=key,
+                from_state=EffectState.PENDING.value,
+                to_state=EffectState.SKIPPED.value,
+            )
+
+
+async def resolve(
+    work: Work,
+    chain: Chain,
+    kind: EffectKind,
+    key: str,
+    to_state: EffectState,
+    *,
+    operator: str,
+    reason: str,
+    remote_id: str | None = None,
+) -> None:
+    """An operator's decision on a parked effect (``manual_review`` → confirmed / failed)."""
+    check_effect_transition(EffectState.MANUAL_REVIEW, to_state)
+    table = _TABLES[kind]
+    values: dict[str, Any] = {"state": to_state.value, "updated_at": work.now_ms}
+    if to_state is EffectState.CONFIRMED:
+        values["remote_id"] = remote_id or f"operator:{key}"
+    stmt = (
+        update(table)
+        .where(_key(kind) == key, table.c.state == EffectState.MANUAL_REVIEW.value)
+        .values(values)
+    )
+    if (await work.conn.execute(stmt)).rowcount != 1:
+        raise LeaseLost(f"{kind.value} {key}", 0)
+    work.log(
+        chain,
+        action="operator_resolve",
+        subject=key,
+        from_state=EffectState.MANUAL_REVIEW.value,
+        to_state=to_state.value,
+        detail={
+            "operator": operator,
+            "reason": reason[:1000],
+            "remote_id": values.get("remote_id"),
+        },
+    )
+
+
+async def get(conn: AsyncConnection, kind: EffectKind, key: str) -> Effect | None:
+    """One effect by key."""
+    row = (await conn.execute(select(_TABLES[kind]).where(_key(kind) == key))).first()
+    return _effect(kind, row) if row is not None else None
+
+
+async def for_tx(conn: AsyncConnection, kind: EffectKind, tx_id: str) -> list[Effect]:
+    """Every effect of ``kind`` in a transaction, in plan order."""
+    table = _TABLES[kind]
+    stmt = select(table).where(table.c.tx_id == tx_id).order_by(table.c.ordinal)
+    return [_effect(kind, row) for row in (await conn.execute(stmt)).all()]
+
+
+async def due(
+    conn: AsyncConnection, kind: EffectKind, now: ColumnElement[int], *, limit: int = 100
+) -> list[Effect]:
+    """Effects a recovery pass could claim now (pending, in doubt and due, or lease expired)."""
+    table = _TABLES[kind]
+    stmt = (
+        select(table)
+        .where(
+            table.c.state.in_([s.value for s in CLAIMABLE]),
+            or_(table.c.state != EffectState.EXECUTING.value, table.c.lease_until <= now),
+            or_(table.c.next_attempt_at.is_(None), table.c.next_attempt_at <= now),
+        )
+        .order_by(table.c.next_attempt_at, table.c.tx_id)
+        .limit(limit)
+    )
+    return [_effect(kind, row) for row in (await conn.execute(stmt)).all()]
+
+
+async def count_unsettled(conn: AsyncConnection, kind: EffectKind) -> int:
+    """Effects still pending, executing or in doubt (not terminal, not parked)."""
+    table = _TABLES[kind]
+    unsettled = [EffectState.PENDING.value, EffectState.EXECUTING.value, EffectState.UNKNOWN.value]
+    stmt = select(func.count()).select_from(table).where(table.c.state.in_(unsettled))
+    return int((await conn.execute(stmt)).scalar_one())

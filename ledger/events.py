@@ -1,0 +1,163 @@
+"""The append-only ledger: reading, hash-chain verification and replay.
+
+Rows are written only through :meth:`ledger.store.Work.log` (buffered, inserted at commit). There
+is no update or delete function here, and the database refuses both (triggers installed by the
+initial migration). Each transaction's rows form a hash chain: ``hash = sha256(prev_hash, row)``
+and ``UNIQUE(tx_id, prev_hash)`` forbids forks, so an edited, deleted or inserted row breaks the
+chain and :func:`verify` names it.
+
+:func:`replay` folds a transaction's rows into the state of every subject; :func:`verify` also
+compares that with the current rows, so the ledger alone is proved able to reproduce the state.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from ledger.schema import compensation_steps, ledger, operations, outbox, transactions
+from ledger.store import GENESIS_HASH, Chain, ledger_hash
+
+
+@dataclass(frozen=True, slots=True)
+class LedgerEntry:
+    """One ledger row."""
+
+    seq: int
+    tx_id: str
+    subject: str | None
+    action: str
+    from_state: str | None
+    to_state: str | None
+    detail: dict[str, Any]
+    detail_text: str
+    created_at: int
+    prev_hash: str
+    hash: str
+
+
+@dataclass(frozen=True, slots=True)
+class LedgerProblem:
+    """A place where the ledger and the truth disagree."""
+
+    tx_id: str
+    seq: int | None
+    problem: str
+
+
+async def read(conn: AsyncConnection, tx_id: str) -> list[LedgerEntry]:
+    """A transaction's ledger in order."""
+    stmt = select(ledger).where(ledger.c.tx_id == tx_id).order_by(ledger.c.seq)
+    return [_entry(row._mapping) for row in (await conn.execute(stmt)).all()]
+
+
+async def chain_of(conn: AsyncConnection, tx_id: str) -> Chain:
+    """The chain of ``tx_id`` positioned at its newest row (for a holder resuming it)."""
+    stmt = (
+        select(ledger.c.hash).where(ledger.c.tx_id == tx_id).order_by(ledger.c.seq.desc()).limit(1)
+    )
+    head = (await conn.execute(stmt)).scalar_one_or_none()
+    return Chain(tx_id=tx_id, head=head or GENESIS_HASH)
+
+
+def _entry(m: Any) -> LedgerEntry:
+    text = str(m["detail"])
+    try:
+        detail = json.loads(text)
+    except ValueError:
+        detail = {"unparsable": True}
+    return LedgerEntry(
+        seq=int(m["seq"]),
+        tx_id=m["tx_id"],
+        subject=m["subject"],
+        action=m["action"],
+        from_state=m["from_state"],
+        to_state=m["to_state"],
+        detail=detail if isinstance(detail, dict) else {"value": detail},
+        detail_text=text,
+        created_at=int(m["created_at"]),
+        prev_hash=m["prev_hash"],
+        hash=m["hash"],
+    )
+
+
+def check_chain(entries: Iterable[LedgerEntry]) -> list[LedgerProblem]:
+    """Problems in one transaction's chain (entries in ``seq`` order)."""
+    problems: list[LedgerProblem] = []
+    expected_prev = GENESIS_HASH
+    for e in entries:
+        if e.prev_hash != expected_prev:
+            problems.append(LedgerProblem(e.tx_id, e.seq, "chain broken: prev_hash mismatch"))
+        recomputed = ledger_hash(
+            e.prev_hash,
+            e.tx_id,
+            e.subject,
+            e.action,
+            e.from_state,
+            e.to_state,
+            e.detail_text,
+            e.created_at,
+        )
+        if recomputed != e.hash:
+            problems.append(LedgerProblem(e.tx_id, e.seq, "row content does not match its hash"))
+        expected_prev = e.hash
+    return problems
+
+
+def replay(entries: Iterable[LedgerEntry]) -> dict[str | None, str | None]:
+    """Fold a chain into the last state of every subject (``None`` = the transaction itself)."""
+    state: dict[str | None, str | None] = {}
+    for e in entries:
+        if e.to_state is not None:
+            state[e.subject] = e.to_state
+    return state
+
+
+async def current_states(conn: AsyncConnection, tx_id: str) -> dict[str | None, str | None]:
+    """The stored state of the transaction and of each of its effects."""
+    states: dict[str | None, str | None] = {}
+    tx = (
+        await conn.execute(select(transactions.c.status).where(transactions.c.tx_id == tx_id))
+    ).scalar_one_or_none()
+    if tx is not None:
+        states[None] = tx
+    for table, key in (
+        (operations, operations.c.op_key),
+        (compensation_steps, compensation_steps.c.op_key),
+        (outbox, outbox.c.event_key),
+    ):
+        rows = await conn.execute(select(key, table.c.state).where(table.c.tx_id == tx_id))
+        for k, s in rows.all():
+            states[k] = s
+    return states
+
+
+async def verify(conn: AsyncConnection, tx_id: str | None = None) -> list[LedgerProblem]:
+    """Verify the hash chain and the replay of one transaction (or all of them)."""
+    if tx_id is None:
+        ids = list((await conn.execute(select(transactions.c.tx_id))).scalars().all())
+    else:
+        ids = [tx_id]
+    problems: list[LedgerProblem] = []
+    for tid in ids:
+        entries = await read(conn, tid)
+        problems.extend(check_chain(entries))
+        replayed = replay(entries)
+        current = await current_states(conn, tid)
+        for subject in sorted(set(replayed) | set(current), key=lambda s: s or ""):
+            if replayed.get(subject) != current.get(subject):
+                what = subject or "transaction"
+                problems.append(
+                    LedgerProblem(
+                        tid,
+                        None,
+                        f"replay of {what} gives {replayed.get(subject)!r}, "
+                        f"stored state is {current.get(subject)!r}",
+                    )
+                )
+    return problems

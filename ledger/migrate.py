@@ -1,0 +1,194 @@
+"""Schema migrations, applied programmatically (no ``alembic.ini`` at runtime).
+
+* :data:`HEAD` is the newest revision this package ships.
+* :func:`upgrade` applies migrations in **one** database transaction, serialised against other
+  processes doing the same: PostgreSQL takes a transaction-scoped advisory lock first; SQLite
+  holds its single write lock (``BEGIN IMMEDIATE``) for the whole run. After the lock the revision
+  is read again, so the second of two concurrent callers finds the work done and does nothing.
+* :func:`ensure_schema` is what ``Store.open()`` calls: upgrade an empty database, refuse (with
+  :class:`~ledger.errors.SchemaOutdated`) one that is behind or ahead of this package.
+
+Nothing here translates driver errors; they propagate to the caller (``ledger.dialects``
+translates them at the store boundary).
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Final, Literal
+
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy import Connection, text
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from ledger.dialects import READ_ONLY_OPTION
+from ledger.errors import SchemaOutdated
+
+AutoUpgrade = Literal["empty", "always", "never"]
+
+#: The Alembic script directory shipped inside the package.
+MIGRATIONS_DIR: Final = Path(__file__).resolve().parent / "migrations"
+
+#: Key of the PostgreSQL advisory lock that serialises migrations (ASCII ``"agtxnmig"``).
+PG_MIGRATION_LOCK_KEY: Final = int.from_bytes(b"agtxnmig", "big")
+
+_UPGRADE_HINT = "run `agent-txn db upgrade`"
+
+
+def alembic_config(connection: Connection | None = None) -> Config:
+    """An Alembic config for the packaged scripts; ``connection`` is handed to ``env.py``."""
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS_DIR))
+    config.set_main_option("path_separator", "os")
+    if connection is not None:
+        config.attributes["connection"] = connection
+    return config
+
+
+@functools.cache
+def _scripts() -> ScriptDirectory:
+    return ScriptDirectory.from_config(alembic_config())
+
+
+def head_revision() -> str:
+    """The newest revision id in the packaged migration scripts."""
+    head = _scripts().get_current_head()
+    if head is None:  # pragma: no cover - the package always ships 0001
+        raise RuntimeError(f"no migration scripts found in {MIGRATIONS_DIR}")
+    return head
+
+
+#: The newest revision id in the packaged migration scripts.
+HEAD: Final[str] = head_revision()
+
+
+@functools.cache
+def known_revisions() -> frozenset[str]:
+    """Every revision id this package ships."""
+    return frozenset(script.revision for script in _scripts().walk_revisions())
+
+
+def _current_sync(connection: Connection) -> str | None:
+    return MigrationContext.configure(connection).get_current_revision()
+
+
+async def _read_connection(engine: AsyncEngine) -> AsyncConnection:
+    conn = await engine.connect()
+    # SQLite store engines begin read-only transactions DEFERRED: no write lock for a version check.
+    return await conn.execution_options(**{READ_ONLY_OPTION: True})
+
+
+async def current_revision(engine: AsyncEngine) -> str | None:
+    """The database's revision, or ``None`` for an empty database (no ``alembic_version``)."""
+    conn = await _read_connection(engine)
+    try:
+        async with conn.begin():
+            return await conn.run_sync(_current_sync)
+    finally:
+        await conn.close()
+
+
+def _unknown_revision(current: str) -> SchemaOutdated:
+    return SchemaOutdated(
+        f"database schema is at revision {current!r}, which this version of agent-txn does not "
+        f"know (its newest is {HEAD!r}): the database was migrated by a newer agent-txn; "
+        "upgrade the agent-txn package instead of running this one against it"
+    )
+
+
+def _behind(current: str | None) -> SchemaOutdated:
+    where = "empty (no agent-txn schema)" if current is None else f"at revision {current!r}"
+    return SchemaOutdated(
+        f"database schema is {where} but this agent-txn needs revision {HEAD!r}; {_UPGRADE_HINT}"
+    )
+
+
+def _lock_for_migration(connection: Connection) -> None:
+    """Serialise migrations across processes; held until the surrounding transaction ends."""
+    dialect = connection.dialect.name
+    if dialect == "postgresql":
+        connection.execute(
+            text("SELECT pg_advisory_xact_lock(:key)"), {"key": PG_MIGRATION_LOCK_KEY}
+        )
+    elif dialect == "sqlite":
+        # A store engine has already sent BEGIN IMMEDIATE on begin. A plain aiosqlite/pysqlite
+        # engine sends no BEGIN at all before DDL (the driver only opens transactions for DML),
+        # so every CREATE would autocommit and two processes would race: open the write
+        # transaction ourselves.
+        driver = connection.connection.driver_connection
+        if not getattr(driver, "in_transaction", False):
+            connection.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+def _upgrade_sync(connection: Connection, revision: str) -> None:
+    _lock_for_migration(connection)
+    current = _current_sync(connection)
+    if current is not None and current not in known_revisions():
+        raise _unknown_revision(current)
+    if revision in ("head", HEAD) and current == HEAD:
+        return  # another process finished it while we waited for the lock
+    command.upgrade(alembic_config(connection), revision)
+
+
+def _downgrade_sync(connection: Connection, revision: str) -> None:
+    _lock_for_migration(connection)
+    current = _current_sync(connection)
+    if current is not None and current not in known_revisions():
+        raise _unknown_revision(current)
+    command.downgrade(alembic_config(connection), revision)
+
+
+async def _write_connection(engine: AsyncEngine) -> AsyncConnection:
+    conn = await engine.connect()
+    if conn.dialect.name == "postgresql":
+        # The re-check after the lock must see the other migrator's commit: a fresh snapshot
+        # per statement, whatever isolation level the engine defaults to.
+        return await conn.execution_options(isolation_level="READ COMMITTED")
+    return await conn.execution_options(**{READ_ONLY_OPTION: False})
+
+
+async def upgrade(engine: AsyncEngine, revision: str = "head") -> None:
+    """Apply migrations up to ``revision`` in one transaction, serialised across processes."""
+    conn = await _write_connection(engine)
+    try:
+        async with conn.begin():
+            await conn.run_sync(_upgrade_sync, revision)
+    finally:
+        await conn.close()
+
+
+async def downgrade(engine: AsyncEngine, revision: str) -> None:
+    """Revert migrations down to ``revision`` (``"base"``: drop everything) in one transaction."""
+    conn = await _write_connection(engine)
+    try:
+        async with conn.begin():
+            await conn.run_sync(_downgrade_sync, revision)
+    finally:
+        await conn.close()
+
+
+async def ensure_schema(engine: AsyncEngine, *, auto_upgrade: AutoUpgrade = "empty") -> None:
+    """Make sure the database is at :data:`HEAD`, upgrading it as ``auto_upgrade`` allows.
+
+    ``"empty"`` creates the schema in an empty database and refuses one that is behind;
+    ``"always"`` upgrades whatever is behind; ``"never"`` only checks. A database at a revision
+    this package does not know (migrated by a newer agent-txn) is refused in every mode.
+
+    Raises :class:`~ledger.errors.SchemaOutdated` when the database is not (and may not be made)
+    current.
+    """
+    if auto_upgrade not in ("empty", "always", "never"):
+        raise ValueError(f"auto_upgrade must be 'empty', 'always' or 'never', not {auto_upgrade!r}")
+    current = await current_revision(engine)
+    if current == HEAD:
+        return
+    if current is not None and current not in known_revisions():
+        raise _unknown_revision(current)
+    if auto_upgrade == "always" or (auto_upgrade == "empty" and current is None):
+        await upgrade(engine)
+        return
+    raise _behind(current)

@@ -1,0 +1,285 @@
+"""The durable store: engine, local transactions ("work"), the database clock and cost counters.
+
+The caller owns the transaction. Repositories take the :class:`Work` of one local transaction, so
+a state change, its ledger row and any outbox rows commit together::
+
+    async with store.transaction() as work:
+        await effects.record(work, chain, claim, EffectState.CONFIRMED, remote_id=rid)
+        # the ledger row for that change is written by effects.record into the same commit
+
+Ledger rows are buffered in the :class:`Work` and written as one multi-row INSERT just before the
+commit (fewer statements per transition); the in-memory head of each hash chain advances only
+after the commit succeeded, so a rolled-back transaction never leaves a dangling head.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from sqlalchemy import event, insert, literal, select
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+from sqlalchemy.sql.elements import ColumnElement
+
+from ledger import dialects
+from ledger.canonical import canonical_json, sha256_hex
+from ledger.schema import ledger as ledger_table
+
+GENESIS_HASH = "0" * 64
+
+
+@dataclass
+class StoreStats:
+    """Counted, not estimated: local commits and SQL statements since the store opened."""
+
+    commits: int = 0
+    statements: int = 0
+    rollbacks: int = 0
+
+    def snapshot(self) -> StoreStats:
+        """A copy, to subtract later."""
+        return StoreStats(self.commits, self.statements, self.rollbacks)
+
+
+@dataclass
+class Chain:
+    """The hash chain of one transaction's ledger, as far as this process has seen it."""
+
+    tx_id: str
+    head: str = GENESIS_HASH
+
+
+@dataclass(frozen=True, slots=True)
+class LedgerRow:
+    """A ledger row about to be written (the hash covers every field but ``seq``)."""
+
+    tx_id: str
+    subject: str | None
+    action: str
+    from_state: str | None
+    to_state: str | None
+    detail: str
+    created_at: int
+    prev_hash: str
+    hash: str
+
+
+def ledger_hash(
+    prev_hash: str,
+    tx_id: str,
+    subject: str | None,
+    action: str,
+    from_state: str | None,
+    to_state: str | None,
+    detail: str,
+    created_at: int,
+) -> str:
+    """The chain link: SHA-256 over the previous hash and this row's content."""
+    body = [prev_hash, tx_id, subject, action, from_state, to_state, detail, created_at]
+    return sha256_hex(canonical_json(body))
+
+
+@dataclass
+class Work:
+    """One local database transaction plus the ledger rows it will append."""
+
+    conn: AsyncConnection
+    store: Store
+    now_ms: int
+    _rows: list[LedgerRow] = field(default_factory=list)
+    _heads: dict[str, tuple[Chain, str]] = field(default_factory=dict)
+
+    @property
+    def db_now(self) -> ColumnElement[int]:
+        """The database clock expression (plus the test offset) for lease arithmetic."""
+        return self.store.db_now()
+
+    def log(
+        self,
+        chain: Chain,
+        *,
+        action: str,
+        subject: str | None = None,
+        from_state: str | None = None,
+        to_state: str | None = None,
+        detail: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Append a ledger row to this transaction's chain (written at commit)."""
+        prev = self._heads[chain.tx_id][1] if chain.tx_id in self._heads else chain.head
+        text = canonical_json(dict(detail or {}))
+        digest = ledger_hash(
+            prev, chain.tx_id, subject, action, from_state, to_state, text, self.now_ms
+        )
+        self._rows.append(
+            LedgerRow(
+                chain.tx_id, subject, action, from_state, to_state, text, self.now_ms, prev, digest
+            )
+        )
+        self._heads[chain.tx_id] = (chain, digest)
+
+    async def flush(self) -> None:
+        """Write the buffered ledger rows in one statement."""
+        if not self._rows:
+            return
+        await self.conn.execute(
+            insert(ledger_table),
+            [
+                {
+                    "tx_id": r.tx_id,
+                    "subject": r.subject,
+                    "action": r.action,
+                    "from_state": r.from_state,
+                    "to_state": r.to_state,
+                    "detail": r.detail,
+                    "created_at": r.created_at,
+                    "prev_hash": r.prev_hash,
+                    "hash": r.hash,
+                }
+                for r in self._rows
+            ],
+        )
+        self._rows.clear()
+
+    def _advance_chains(self) -> None:
+        for chain, head in self._heads.values():
+            chain.head = head
+        self._heads.clear()
+
+
+class Store:
+    """agent-txn's own database on SQLite or PostgreSQL."""
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        *,
+        url: str,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.engine = engine
+        self.url = url
+        self.dialect: dialects.Dialect = dialects.dialect_of(url)
+        self.stats = StoreStats()
+        self._clock = clock
+        self._clock_offset_ms = 0
+        # SQLite has one writer: queueing our own writers here is cheaper than letting them spin
+        # in the driver's busy handler. Other processes still meet busy_timeout.
+        self._write_lock = asyncio.Lock() if self.dialect == "sqlite" else None
+        self._install_counters()
+
+    @classmethod
+    async def open(
+        cls,
+        url: str,
+        *,
+        auto_upgrade: Literal["empty", "always", "never"] = "empty",
+        clock: Callable[[], float] = time.time,
+        sqlite_synchronous: str = "FULL",
+    ) -> Store:
+        """Connect, check (or create) the schema, and return a ready store."""
+        from ledger import migrate  # local: migrations import the schema, not the store
+
+        url = dialects.normalize_url(url)
+        engine = dialects.create_engine(url, sqlite_synchronous=sqlite_synchronous)
+        try:
+            await migrate.ensure_schema(engine, auto_upgrade=auto_upgrade)
+        except BaseException as exc:
+            await engine.dispose()
+            translated = dialects.translate(exc)
+            if translated is not None and translated is not exc:
+                raise translated from exc
+            raise
+        return cls(engine, url=url, clock=clock)
+
+    def _install_counters(self) -> None:
+        sync_engine = self.engine.sync_engine
+
+        def on_commit(_conn: Any) -> None:
+            self.stats.commits += 1
+
+        def on_rollback(_conn: Any) -> None:
+            self.stats.rollbacks += 1
+
+        def on_execute(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
+            if not statement.startswith(("BEGIN", "PRAGMA")):
+                self.stats.statements += 1
+
+        event.listen(sync_engine, "commit", on_commit)
+        event.listen(sync_engine, "rollback", on_rollback)
+        event.listen(sync_engine, "before_cursor_execute", on_execute)
+
+    # -- clocks --------------------------------------------------------------------------------
+
+    def now_ms(self) -> int:
+        """The client clock in epoch ms (ledger timestamps; never used to judge a lease)."""
+        return int(self._clock() * 1000) + self._clock_offset_ms
+
+    def db_now(self) -> ColumnElement[int]:
+        """The database clock, shifted by the test offset, as a SQL expression."""
+        base = dialects.db_now_ms(self.dialect)
+        if self._clock_offset_ms:
+            return base + literal(self._clock_offset_ms)
+        return base
+
+    def advance_clock(self, seconds: float) -> None:
+        """Shift the clocks this store sees by ``seconds`` (tests expire leases this way)."""
+        self._clock_offset_ms += int(seconds * 1000)
+
+    async def db_time_ms(self) -> int:
+        """Read the (shifted) database clock."""
+        async with self.read() as conn:
+            return int((await conn.execute(select(self.db_now()))).scalar_one())
+
+    # -- transactions ---------------------------------------------------------------------------
+
+    @asynccontextmanager
+    async def transaction(self) -> AsyncIterator[Work]:
+        """One local write transaction (BEGIN IMMEDIATE on SQLite); storage errors translated."""
+        if self._write_lock is not None:
+            async with self._write_lock, self._transaction() as work:
+                yield work
+        else:
+            async with self._transaction() as work:
+                yield work
+
+    @asynccontextmanager
+    async def _transaction(self) -> AsyncIterator[Work]:
+        work: Work | None = None
+        try:
+            async with self.engine.begin() as conn:
+                work = Work(conn=conn, store=self, now_ms=self.now_ms())
+                yield work
+                await work.flush()
+        except Exception as exc:
+            translated = dialects.translate(exc)
+            if translated is not None and translated is not exc:
+                raise translated from exc
+            raise
+        work._advance_chains()
+
+    @asynccontextmanager
+    async def read(self) -> AsyncIterator[AsyncConnection]:
+        """A read-only transaction (DEFERRED on SQLite, so it never takes the writer lock)."""
+        try:
+            async with self.engine.connect() as raw:
+                conn = await raw.execution_options(**{dialects.READ_ONLY_OPTION: True})
+                async with conn.begin():
+                    yield conn
+        except Exception as exc:
+            translated = dialects.translate(exc)
+            if translated is not None and translated is not exc:
+                raise translated from exc
+            raise
+
+    async def close(self) -> None:
+        """Release every pooled connection."""
+        await self.engine.dispose()
+
+    async def abandon(self) -> None:
+        """Drop every connection as a crashed process would: no lease is released, nothing else
+        is written; uncommitted work was already rolled back by the database."""
+        await self.engine.dispose()

@@ -1,0 +1,311 @@
+"""Repository of saga transactions: insert, lease-claim, fenced status transitions.
+
+The transaction row carries its own lease and fence: whoever drives a saga (the caller of
+``execute`` or a recovering worker) holds it, and every status change is fenced by it, so two
+workers can never both decide "commit" or "compensate" for the same transaction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from itertools import pairwise
+from typing import Any
+
+from sqlalchemy import ColumnElement, and_, func, literal, or_, select, update
+from sqlalchemy.engine import Row
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from ledger.errors import LeaseLost
+from ledger.schema import transactions
+from ledger.states import TX_TERMINAL, TxState, check_tx_transition
+from ledger.store import Chain, Work
+
+#: Statuses a recovering worker may pick up: in flight, nobody holding a live lease.
+RESUMABLE = frozenset(
+    {TxState.PREPARED, TxState.EXECUTING, TxState.VALIDATING, TxState.COMPENSATING}
+)
+
+
+@dataclass(frozen=True, slots=True)
+class TxRecord:
+    """One transaction row as stored."""
+
+    tx_id: str
+    definition_digest: str
+    saga_name: str
+    business_key: str | None
+    inputs: Any
+    status: TxState
+    lease_owner: str | None
+    lease_until: int | None
+    fence: int
+    attempts: int
+    next_attempt_at: int | None
+    error: Any
+    execution_id: str | None
+    created_at: int
+    updated_at: int
+
+    @property
+    def terminal(self) -> bool:
+        """Committed, compensated or failed."""
+        return self.status in TX_TERMINAL
+
+
+@dataclass(frozen=True, slots=True)
+class TxClaim:
+    """The lease on a transaction: its fence guards every status change of the holder."""
+
+    tx_id: str
+    fence: int
+    status: TxState
+    owner: str
+
+
+def _record(row: Row[Any]) -> TxRecord:
+    m = row._mapping
+    return TxRecord(
+        tx_id=m["tx_id"],
+        definition_digest=m["definition_digest"],
+        saga_name=m["saga_name"],
+        business_key=m["business_key"],
+        inputs=m["inputs"],
+        status=TxState(m["status"]),
+        lease_owner=m["lease_owner"],
+        lease_until=m["lease_until"],
+        fence=int(m["fence"]),
+        attempts=int(m["attempts"]),
+        next_attempt_at=m["next_attempt_at"],
+        error=m["error"],
+        execution_id=m["execution_id"],
+        created_at=int(m["created_at"]),
+        updated_at=int(m["updated_at"]),
+    )
+
+
+async def insert(
+    work: Work,
+    chain: Chain,
+    *,
+    tx_id: str,
+    definition_digest: str,
+    saga_name: str,
+    inputs: Mapping[str, Any],
+    owner: str,
+    lease_ms: int,
+    business_key: str | None = None,
+    execution_id: str | None = None,
+    start: bool = True,
+) -> TxClaim:
+    """Persist a prepared transaction, leased to ``owner``; with ``start`` also move it to
+    ``executing`` (one row, two ledger entries: prepare and start share the commit)."""
+    status = TxState.EXECUTING if start else TxState.PREPARED
+    if start:
+        check_tx_transition(TxState.PREPARED, TxState.EXECUTING)
+    await work.conn.execute(
+        transactions.insert().values(
+            tx_id=tx_id,
+            definition_digest=definition_digest,
+            saga_name=saga_name,
+            business_key=business_key,
+            inputs=dict(inputs),
+            status=status.value,
+            lease_owner=owner,
+            lease_until=work.db_now + literal(lease_ms),
+            fence=1,
+            attempts=1,
+            next_attempt_at=None,
+            error=None,
+            execution_id=execution_id,
+            created_at=work.now_ms,
+            updated_at=work.now_ms,
+        )
+    )
+    work.log(
+        chain,
+        action="prepare",
+        to_state=TxState.PREPARED.value,
+        detail={"saga": saga_name, "definition": definition_digest, "owner": owner, "fence": 1},
+    )
+    if start:
+        work.log(chain, action="start", from_state=TxState.PREPARED.value, to_state=status.value)
+    return TxClaim(tx_id=tx_id, fence=1, status=status, owner=owner)
+
+
+async def claim(
+    work: Work,
+    chain: Chain,
+    tx_id: str,
+    *,
+    owner: str,
+    lease_ms: int,
+    due_only: bool = True,
+) -> TxClaim | None:
+    """Compare-and-set lease on a resumable transaction whose lease expired (database clock)."""
+    now = work.db_now
+    conditions = [
+        transactions.c.tx_id == tx_id,
+        transactions.c.status.in_([s.value for s in RESUMABLE]),
+        or_(transactions.c.lease_until.is_(None), transactions.c.lease_until <= now),
+    ]
+    if due_only:
+        conditions.append(
+            or_(transactions.c.next_attempt_at.is_(None), transactions.c.next_attempt_at <= now)
+        )
+    stmt = (
+        update(transactions)
+        .where(and_(*conditions))
+        .values(
+            fence=transactions.c.fence + 1,
+            lease_owner=owner,
+            lease_until=now + literal(lease_ms),
+            attempts=transactions.c.attempts + 1,
+            updated_at=work.now_ms,
+        )
+        .returning(transactions.c.status, transactions.c.fence)
+    )
+    row = (await work.conn.execute(stmt)).first()
+    if row is None:
+        return None
+    status, fence = TxState(row.status), int(row.fence)
+    work.log(
+        chain,
+        action="claim",
+        from_state=status.value,
+        to_state=status.value,
+        detail={"fence": fence, "owner": owner},
+    )
+    return TxClaim(tx_id=tx_id, fence=fence, status=status, owner=owner)
+
+
+async def transition(
+    work: Work,
+    chain: Chain,
+    txc: TxClaim,
+    to_state: TxState,
+    *,
+    action: str,
+    via: Sequence[TxState] = (),
+    error: Mapping[str, Any] | None = None,
+    release: bool = False,
+    retry_in_ms: int | None = None,
+    detail: Mapping[str, Any] | None = None,
+) -> TxClaim:
+    """Fenced status change ``txc.status -> *via -> to_state`` in one UPDATE (one ledger row per
+    edge). ``release`` drops the lease; ``retry_in_ms`` schedules the next recovery attempt."""
+    path = [txc.status, *via, to_state]
+    for a, b in pairwise(path):
+        check_tx_transition(a, b)
+    values: dict[str, Any] = {"status": to_state.value, "updated_at": work.now_ms}
+    if error is not None:
+        values["error"] = dict(error)
+    if release or to_state in TX_TERMINAL:
+        values["lease_owner"] = None
+        values["lease_until"] = None
+    if retry_in_ms is not None:
+        values["next_attempt_at"] = work.db_now + literal(retry_in_ms)
+    elif to_state in TX_TERMINAL:
+        values["next_attempt_at"] = None
+    stmt = (
+        update(transactions)
+        .where(
+            transactions.c.tx_id == txc.tx_id,
+            transactions.c.fence == txc.fence,
+            transactions.c.status == txc.status.value,
+        )
+        .values(values)
+    )
+    if (await work.conn.execute(stmt)).rowcount != 1:
+        raise LeaseLost(f"transaction {txc.tx_id}", txc.fence)
+    for index, (a, b) in enumerate(pairwise(path)):
+        last = index == len(path) - 2
+        work.log(
+            chain,
+            action=action if last else str(b.value),
+            from_state=a.value,
+            to_state=b.value,
+            detail=(
+                {**(detail or {}), **({"error": dict(error)} if error else {})} if last else None
+            ),
+        )
+    return replace(txc, status=to_state)
+
+
+async def release(work: Work, txc: TxClaim, *, retry_in_ms: int | None) -> None:
+    """Give the lease back without a status change; recovery may pick it up after
+    ``retry_in_ms`` (``None``: immediately)."""
+    values: dict[str, Any] = {
+        "lease_owner": None,
+        "lease_until": None,
+        "updated_at": work.now_ms,
+        "next_attempt_at": (work.db_now + literal(retry_in_ms))
+        if retry_in_ms is not None
+        else None,
+    }
+    stmt = (
+        update(transactions)
+        .where(transactions.c.tx_id == txc.tx_id, transactions.c.fence == txc.fence)
+        .values(values)
+    )
+    if (await work.conn.execute(stmt)).rowcount != 1:
+        raise LeaseLost(f"transaction {txc.tx_id}", txc.fence)
+
+
+async def renew(work: Work, txc: TxClaim, *, lease_ms: int) -> None:
+    """Heartbeat on the transaction lease; :class:`LeaseLost` if another holder has it."""
+    stmt = (
+        update(transactions)
+        .where(transactions.c.tx_id == txc.tx_id, transactions.c.fence == txc.fence)
+        .values(lease_until=work.db_now + literal(lease_ms))
+    )
+    if (await work.conn.execute(stmt)).rowcount != 1:
+        raise LeaseLost(f"transaction {txc.tx_id}", txc.fence)
+
+
+async def get(conn: AsyncConnection, tx_id: str) -> TxRecord | None:
+    """One transaction by id."""
+    row = (await conn.execute(select(transactions).where(transactions.c.tx_id == tx_id))).first()
+    return _record(row) if row is not None else None
+
+
+async def live_by_business_key(conn: AsyncConnection, business_key: str) -> TxRecord | None:
+    """The transaction currently holding ``business_key`` (not failed, not compensated)."""
+    stmt = select(transactions).where(
+        transactions.c.business_key == business_key,
+        transactions.c.status.not_in([TxState.FAILED.value, TxState.COMPENSATED.value]),
+    )
+    row = (await conn.execute(stmt)).first()
+    return _record(row) if row is not None else None
+
+
+async def due(conn: AsyncConnection, now: ColumnElement[int], *, limit: int = 100) -> list[str]:
+    """Ids of resumable transactions with no live lease whose next attempt is due."""
+    stmt = (
+        select(transactions.c.tx_id)
+        .where(
+            transactions.c.status.in_([s.value for s in RESUMABLE]),
+            or_(transactions.c.lease_until.is_(None), transactions.c.lease_until <= now),
+            or_(transactions.c.next_attempt_at.is_(None), transactions.c.next_attempt_at <= now),
+        )
+        .order_by(transactions.c.next_attempt_at, transactions.c.created_at)
+        .limit(limit)
+    )
+    return list((await conn.execute(stmt)).scalars().all())
+
+
+async def count_by_status(conn: AsyncConnection) -> dict[str, int]:
+    """Number of transactions per status."""
+    stmt = select(transactions.c.status, func.count()).group_by(transactions.c.status)
+    return {str(s): int(n) for s, n in (await conn.execute(stmt)).all()}
+
+
+async def in_status(conn: AsyncConnection, status: TxState, *, limit: int = 100) -> list[TxRecord]:
+    """Transactions in ``status``, oldest first."""
+    stmt = (
+        select(transactions)
+        .where(transactions.c.status == status.value)
+        .order_by(transactions.c.created_at)
+        .limit(limit)
+    )
+    return [_record(row) for row in (await conn.execute(stmt)).all()]

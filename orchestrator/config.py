@@ -1,0 +1,46 @@
+"""Engine settings: frozen, validated, passed explicitly (only the CLI reads the environment)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+def default_worker_id() -> str:
+    """host:pid:random — unique per process, readable in the ledger."""
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+
+
+class EngineSettings(BaseModel):
+    """How the engine runs sagas. Every duration is in seconds."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    #: Part of every idempotency key: two tenants or environments never share a key.
+    tenant: str = Field(default="default", min_length=1, max_length=100)
+    environment: str = Field(default="dev", min_length=1, max_length=100)
+    #: Appears as ``lease_owner`` and in the ledger.
+    worker_id: str = Field(default_factory=default_worker_id, min_length=1, max_length=128)
+    #: How long a claim stays ours without renewal; judged by the database clock.
+    lease_seconds: float = Field(default=30.0, gt=0, le=3600)
+    #: Budget of one provider call; past it the outcome is unknown, not failed.
+    call_timeout_seconds: float = Field(default=10.0, gt=0, le=600)
+    #: How long ``execute`` keeps reconciling an in-doubt effect before leaving it to workers.
+    execute_budget_seconds: float = Field(default=5.0, ge=0, le=3600)
+    #: Claims of one forward op or outbox event before it is parked in manual_review.
+    reconcile_attempts: int = Field(default=8, ge=1, le=1000)
+    #: Claims of one compensation step before it is parked in manual_review.
+    compensation_attempts: int = Field(default=8, ge=1, le=1000)
+    #: Jittered exponential backoff between reconcile attempts (tenacity).
+    backoff_initial_seconds: float = Field(default=0.05, gt=0, le=60)
+    backoff_max_seconds: float = Field(default=30.0, gt=0, le=3600)
+    #: SQLite ``synchronous`` pragma (FULL survives power loss; NORMAL only process crashes).
+    sqlite_synchronous: str = Field(default="FULL", pattern="^(OFF|NORMAL|FULL|EXTRA)$")
+
+    @property
+    def lease_ms(self) -> int:
+        """The lease in milliseconds."""
+        return int(self.lease_seconds * 1000)

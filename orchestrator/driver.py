@@ -1,0 +1,560 @@
+"""The saga driver: moves one leased transaction through execute → validate → commit, or back
+through compensation, one local commit per provider answer.
+
+The same driver runs a fresh ``execute`` and a recovering worker: it looks only at the stored
+state (operations, compensation steps, outbox), never at what the caller remembers. Commit
+economy: recording an effect's outcome and claiming the next effect share one local
+transaction (:meth:`SagaRun._advance` runs inside the record's transaction), so a happy saga of
+N steps and one outbox event costs N + 2 commits: prepare+claim, N-1 x record+claim,
+record+commit+outbox claim, outbox record.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import structlog
+
+from compensation.planner import ReversalSpec, plan_reversal
+from compensation.policy import (
+    REASON_IRREVERSIBLE,
+    REASON_PAYLOAD,
+    REASON_RETRIABLE_REJECTED,
+    REASON_REVERSAL_REJECTED,
+    RetryBudget,
+)
+from ledger import effects, transactions
+from ledger.canonical import NotCanonicalizable, canonical_json, fingerprint
+from ledger.effects import Claim, Effect, EffectKind
+from ledger.states import EffectState, TxState
+from ledger.store import Chain, Store, Work
+from ledger.transactions import TxClaim
+from orchestrator import expressions, keys
+from orchestrator.config import EngineSettings
+from orchestrator.crashpoints import CrashPoints
+from orchestrator.protocol import Decision, decide, echo_mismatches
+from orchestrator.saga import SagaDefinition
+from providers.registry import ProviderRegistry
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass
+class Services:
+    """What every run needs from the engine."""
+
+    store: Store
+    registry: ProviderRegistry
+    settings: EngineSettings
+    crashpoints: CrashPoints
+
+
+def render_payload(template: Any, scope: Mapping[str, Any]) -> tuple[Any, str]:
+    """Render a payload template; returns the payload and its fingerprint."""
+    payload = expressions.render(template, scope)
+    return payload, fingerprint(payload)
+
+
+@dataclass
+class SagaRun:
+    """One holder's view of one transaction while it holds the lease."""
+
+    services: Services
+    definition: SagaDefinition
+    tx_id: str
+    inputs: dict[str, Any]
+    txc: TxClaim
+    chain: Chain
+    ops: list[Effect]
+    reversals: list[Effect] = field(default_factory=list)
+    events: list[Effect] = field(default_factory=list)
+    #: Keep the transaction lease while an effect is in doubt (``execute`` reconciles in-call).
+    hold_on_pause: bool = False
+    error: dict[str, Any] | None = None
+    paused_on: Effect | None = None
+    retry_hint_ms: int | None = None
+    _milestones: list[str] = field(default_factory=list)
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    async def drive(self, claim: Claim | None, *, eager: bool = False) -> None:
+        """Run until the saga is terminal, parked, or waiting on an in-doubt effect."""
+        store = self.services.store
+        crash = self.services.crashpoints
+        self.paused_on = None
+        while True:
+            if claim is None:
+                async with store.transaction() as work:
+                    claim = await self._advance(work, eager=eager)
+                    crash.hit("record.before_commit", tx_id=self.tx_id, kind="advance")
+            else:
+                decision = await self._decide(claim)
+                async with store.transaction() as work:
+                    await self._record(work, claim, decision)
+                    claim = await self._advance(work, eager=eager)
+                    crash.hit("record.before_commit", **self._ctx_of(claim, decision))
+                crash.hit("record.after_commit", tx_id=self.tx_id, kind="record")
+            self._after_commit_milestones()
+            if claim is None:
+                return
+
+    def _ctx_of(self, claim: Claim | None, decision: Decision) -> dict[str, Any]:
+        return {
+            "tx_id": self.tx_id,
+            "kind": "record",
+            "state": decision.state.value,
+            "next": claim.name if claim else None,
+        }
+
+    def _after_commit_milestones(self) -> None:
+        crash = self.services.crashpoints
+        for point in self._milestones:
+            crash.hit(point, tx_id=self.tx_id)
+        self._milestones.clear()
+
+    async def _decide(self, claim: Claim) -> Decision:
+        settings = self.services.settings
+        provider = self.services.registry.get(claim.provider)
+        contract = provider.contract(claim.action)
+        attempts = (
+            settings.compensation_attempts
+            if claim.kind is EffectKind.COMPENSATION
+            else settings.reconcile_attempts
+        )
+        budget = RetryBudget(
+            attempts, settings.backoff_initial_seconds, settings.backoff_max_seconds
+        )
+        return await decide(
+            provider,
+            contract,
+            claim,
+            payload=claim.payload,
+            budget=budget,
+            call_timeout=settings.call_timeout_seconds,
+            claimed_at_ms=claim.claimed_at_ms,
+            crashpoints=self.services.crashpoints,
+        )
+
+    async def _record(self, work: Work, claim: Claim, decision: Decision) -> None:
+        retry_in: int | None = None
+        if decision.in_doubt:
+            s = self.services.settings
+            budget = RetryBudget(0, s.backoff_initial_seconds, s.backoff_max_seconds)
+            retry_in = int(budget.delay_seconds(claim.attempts) * 1000)
+            self.retry_hint_ms = retry_in
+        detail = dict(decision.detail)
+        await effects.record(
+            work,
+            self.chain,
+            claim,
+            decision.state,
+            action=decision.action,
+            remote_id=decision.remote_id,
+            result=dict(decision.result) if decision.result is not None else None,
+            error=decision.error,
+            retry_in_ms=retry_in,
+            lookups=decision.lookups,
+            detail=detail,
+        )
+        self._replace(
+            claim.kind,
+            claim.key,
+            state=decision.state,
+            remote_id=decision.remote_id,
+            result=dict(decision.result) if decision.result is not None else None,
+            last_error=decision.error,
+            fence=claim.fence,
+            attempts=claim.attempts,
+            payload=claim.payload,
+            payload_sha256=claim.payload_sha256,
+        )
+
+    # -- deciding what comes next, inside the current local transaction -------------------------
+
+    async def _advance(self, work: Work, *, eager: bool) -> Claim | None:
+        """Make every transition that needs no provider call; return the next effect to call
+        (already claimed in ``work``), or ``None`` when nothing can be done now."""
+        while True:
+            status = self.txc.status
+            if status is TxState.PREPARED:
+                self.txc = await transactions.transition(
+                    work, self.chain, self.txc, TxState.EXECUTING, action="start"
+                )
+                continue
+            if status is TxState.EXECUTING:
+                op = next((o for o in self.ops if o.state is not EffectState.CONFIRMED), None)
+                if op is None:
+                    return await self._validate_and_commit(work)
+                if op.state is EffectState.FAILED:
+                    step = self.definition.step(op.name)
+                    if step.get("retriable"):
+                        await self._park(work, op.name, REASON_RETRIABLE_REJECTED)
+                        return None
+                    claim = await self._turn_back(
+                        work, {"code": "provider_rejected", "step": op.name}
+                    )
+                    if claim is not None or self.txc.status is not TxState.COMPENSATING:
+                        return claim
+                    continue
+                if op.state is EffectState.MANUAL_REVIEW:
+                    await self._park(work, op.name, op.last_error or "undecidable")
+                    return None
+                claim = await self._claim_op(work, op, eager=eager)
+                if claim is None:
+                    if self.ops_state(op.key) is EffectState.MANUAL_REVIEW:
+                        continue
+                    await self._pause(work, op)
+                    return None
+                return claim
+            if status is TxState.VALIDATING:
+                return await self._validate_and_commit(work)
+            if status is TxState.COMPENSATING:
+                step_ = next(
+                    (r for r in self.reversals if r.state is not EffectState.CONFIRMED), None
+                )
+                if step_ is None:
+                    self.txc = await transactions.transition(
+                        work, self.chain, self.txc, TxState.COMPENSATED, action="compensated"
+                    )
+                    return None
+                if step_.state is EffectState.FAILED:
+                    await self._park(work, step_.name, REASON_REVERSAL_REJECTED)
+                    return None
+                if step_.state is EffectState.MANUAL_REVIEW:
+                    await self._park(work, step_.name, step_.last_error or "undecidable")
+                    return None
+                claim = await self._claim_effect(work, step_, eager=eager)
+                if claim is None:
+                    await self._pause(work, step_)
+                return claim
+            if status is TxState.COMMITTED:
+                for ev in self.events:
+                    if ev.state in (
+                        EffectState.PENDING,
+                        EffectState.UNKNOWN,
+                        EffectState.EXECUTING,
+                    ):
+                        claim = await self._claim_effect(work, ev, eager=eager)
+                        if claim is not None:
+                            return claim
+                        self.paused_on = ev
+                return None
+            return None  # compensated, failed, manual_review, staged: nothing to drive
+
+    def ops_state(self, key: str) -> EffectState:
+        """Current cached state of a forward op."""
+        return next(o.state for o in self.ops if o.key == key)
+
+    def scope(self, forward: Effect | None = None) -> dict[str, Any]:
+        """Template scope: inputs, tx id, confirmed steps, and the op being reversed."""
+        steps = {
+            o.name: {"payload": o.payload, "result": o.result, "remote_id": o.remote_id}
+            for o in self.ops
+            if o.state is EffectState.CONFIRMED
+        }
+        scope: dict[str, Any] = {"inputs": self.inputs, "tx": {"id": self.tx_id}, "steps": steps}
+        if forward is not None:
+            scope["forward"] = {
+                "payload": forward.payload,
+                "result": forward.result,
+                "remote_id": forward.remote_id,
+            }
+        return scope
+
+    async def _claim_op(self, work: Work, op: Effect, *, eager: bool) -> Claim | None:
+        if op.payload_sha256 is not None:
+            return await self._claim_effect(work, op, eager=eager)
+        template = self.definition.step(op.name)["payload"]
+        try:
+            payload, sha = render_payload(template, self.scope())
+        except (expressions.ExpressionError, NotCanonicalizable) as exc:
+            # Deterministic: it will never render. Nothing was sent, so the op failed.
+            claim = await self._claim_effect(work, op, eager=True)
+            if claim is not None:
+                await self._record(
+                    work,
+                    claim,
+                    Decision(
+                        EffectState.FAILED,
+                        "render",
+                        error="payload_render_failed",
+                        detail={"code": getattr(exc, "code", "not_json")},
+                    ),
+                )
+            return None
+        claim = await self._claim_effect(work, op, eager=eager, payload=(payload, sha))
+        if claim is not None and claim.payload_sha256 != sha:
+            # Same key, different payload: never guessed, never sent. A person decides.
+            await self._record(
+                work,
+                claim,
+                Decision(
+                    EffectState.MANUAL_REVIEW,
+                    "park",
+                    error="idempotency_payload_mismatch",
+                    detail={"reason": REASON_PAYLOAD},
+                ),
+            )
+            return None
+        return claim
+
+    async def _claim_effect(
+        self,
+        work: Work,
+        e: Effect,
+        *,
+        eager: bool,
+        payload: tuple[Any, str] | None = None,
+    ) -> Claim | None:
+        claim = await effects.claim(
+            work,
+            self.chain,
+            e.kind,
+            e.key,
+            owner=self.txc.owner,
+            lease_ms=self.services.settings.lease_ms,
+            payload=payload[0] if payload else None,
+            payload_sha256=payload[1] if payload else None,
+            due_only=not eager,
+        )
+        if claim is not None:
+            self._replace(
+                e.kind,
+                e.key,
+                state=EffectState.EXECUTING,
+                fence=claim.fence,
+                attempts=claim.attempts,
+                payload=claim.payload,
+                payload_sha256=claim.payload_sha256,
+            )
+        return claim
+
+    async def _pause(self, work: Work, e: Effect) -> None:
+        self.paused_on = e
+        if self.hold_on_pause:
+            return
+        await self.release(work)
+
+    async def release(self, work: Work) -> None:
+        """Give the transaction lease back; recovery resumes it when its effect is due."""
+        await transactions.release(work, self.txc, retry_in_ms=self.retry_hint_ms)
+
+    async def _park(self, work: Work, step: str, reason: str) -> None:
+        self.error = {"code": "manual_review", "step": step, "reason": reason[:200]}
+        self.txc = await transactions.transition(
+            work,
+            self.chain,
+            self.txc,
+            TxState.MANUAL_REVIEW,
+            action="park",
+            error=self.error,
+            release=True,
+        )
+
+    async def _validate_and_commit(self, work: Work) -> Claim | None:
+        failures: list[dict[str, Any]] = []
+        for op in self.ops:
+            contract = self.services.registry.contract(op.provider, op.action)
+            mismatched = echo_mismatches(contract, op.payload, op.result)
+            if mismatched:
+                failures.append({"check": f"{op.name}.echo", "fields": mismatched})
+        scope = self.scope()
+        for check in self.definition.checks:
+            try:
+                ok = expressions.evaluate_condition(check["expr"], scope)
+            except expressions.ExpressionError as exc:
+                ok, detail = False, exc.code
+            else:
+                detail = "false"
+            if not ok:
+                failures.append({"check": check["name"], "result": detail})
+        planned: list[effects.NewEffect] = []
+        if not failures:
+            for ordinal, ev in enumerate(self.definition.outbox):
+                try:
+                    payload, sha = render_payload(ev["payload"], scope)
+                except (expressions.ExpressionError, NotCanonicalizable):
+                    failures.append({"check": f"outbox.{ev['name']}", "result": "render"})
+                    break
+                s = self.services.settings
+                planned.append(
+                    effects.NewEffect(
+                        key=keys.event_key(
+                            tenant=s.tenant,
+                            environment=s.environment,
+                            provider=ev["provider"],
+                            tx_id=self.tx_id,
+                            event=ev["name"],
+                            version=self.definition.version,
+                        ),
+                        tx_id=self.tx_id,
+                        name=ev["name"],
+                        provider=ev["provider"],
+                        action=ev["action"],
+                        ordinal=ordinal,
+                        payload=payload,
+                        payload_sha256=sha,
+                    )
+                )
+        via = [TxState.VALIDATING] if self.txc.status is TxState.EXECUTING else []
+        if failures:
+            first = failures[0]
+            return await self._turn_back(
+                work,
+                {"code": "validation_failed", "check": str(first["check"])},
+                via=via,
+                detail={"failures": failures[:10]},
+            )
+        self.txc = await transactions.transition(
+            work, self.chain, self.txc, TxState.COMMITTED, action="commit", via=via
+        )
+        claim = await effects.insert(
+            work,
+            self.chain,
+            EffectKind.OUTBOX,
+            planned,
+            claim_first=(self.txc.owner, self.services.settings.lease_ms),
+        )
+        self.events = [
+            _as_effect(EffectKind.OUTBOX, n, claim if i == 0 else None)
+            for i, n in enumerate(planned)
+        ]
+        self.services.crashpoints.hit("commit.before_commit", tx_id=self.tx_id)
+        self._milestones.append("commit.after_commit")
+        return claim
+
+    async def _turn_back(
+        self,
+        work: Work,
+        error: dict[str, Any],
+        *,
+        via: list[TxState] | None = None,
+        detail: Mapping[str, Any] | None = None,
+    ) -> Claim | None:
+        """A definite failure: skip what never ran, persist the reverse plan, start it."""
+        self.error = error
+        pending = [o.key for o in self.ops if o.state is EffectState.PENDING]
+        await effects.skip_pending(work, self.chain, EffectKind.OPERATION, pending)
+        for key in pending:
+            self._replace(EffectKind.OPERATION, key, state=EffectState.SKIPPED)
+        specs: dict[str, ReversalSpec | None] = {}
+        for step in self.definition.steps:
+            comp = step.get("compensation")
+            specs[step["name"]] = ReversalSpec(comp["action"], comp["payload"]) if comp else None
+
+        def render(op: Effect, template: Any) -> tuple[Any, str]:
+            return render_payload(template, self.scope(forward=op))
+
+        try:
+            plan = plan_reversal(
+                self.ops, specs, key_for=lambda op: keys.compensation_key(op.key), render=render
+            )
+        except (expressions.ExpressionError, NotCanonicalizable):
+            await self._park_from(
+                work,
+                via or [],
+                error.get("step", "compensation"),
+                "a compensation payload cannot be rendered",
+            )
+            return None
+        if not plan.complete:
+            await self._park_from(work, via or [], plan.irreversible[0].name, REASON_IRREVERSIBLE)
+            return None
+        if not plan.steps:
+            self.txc = await transactions.transition(
+                work,
+                self.chain,
+                self.txc,
+                TxState.FAILED,
+                action="fail",
+                via=via or [],
+                error=error,
+                detail=detail,
+            )
+            return None
+        self.txc = await transactions.transition(
+            work,
+            self.chain,
+            self.txc,
+            TxState.COMPENSATING,
+            action="turn_back",
+            via=via or [],
+            error=error,
+            detail=detail,
+        )
+        claim = await effects.insert(
+            work,
+            self.chain,
+            EffectKind.COMPENSATION,
+            plan.steps,
+            claim_first=(self.txc.owner, self.services.settings.lease_ms),
+        )
+        self.reversals = [
+            _as_effect(EffectKind.COMPENSATION, n, claim if i == 0 else None)
+            for i, n in enumerate(plan.steps)
+        ]
+        self._milestones.append("compensation.after_plan")
+        return claim
+
+    async def _park_from(self, work: Work, via: list[TxState], step: str, reason: str) -> None:
+        self.error = {"code": "manual_review", "step": step, "reason": reason}
+        self.txc = await transactions.transition(
+            work,
+            self.chain,
+            self.txc,
+            TxState.MANUAL_REVIEW,
+            action="park",
+            via=via,
+            error=self.error,
+            release=True,
+        )
+
+    def _replace(self, kind: EffectKind, key: str, **changes: Any) -> None:
+        items = {
+            EffectKind.OPERATION: self.ops,
+            EffectKind.COMPENSATION: self.reversals,
+            EffectKind.OUTBOX: self.events,
+        }[kind]
+        for index, e in enumerate(items):
+            if e.key == key:
+                items[index] = replace(e, **changes)
+                return
+
+
+def _as_effect(kind: EffectKind, new: effects.NewEffect, claim: Claim | None) -> Effect:
+    """The cached row of an effect just inserted (claimed or pending)."""
+    return Effect(
+        kind=kind,
+        key=new.key,
+        tx_id=new.tx_id,
+        name=new.name,
+        provider=new.provider,
+        action=new.action,
+        ordinal=new.ordinal,
+        payload=new.payload,
+        payload_sha256=new.payload_sha256,
+        state=EffectState.EXECUTING if claim else EffectState.PENDING,
+        claimed_from=EffectState.PENDING if claim else None,
+        lease_owner=claim.owner if claim else None,
+        lease_until=None,
+        fence=claim.fence if claim else 0,
+        attempts=claim.attempts if claim else 0,
+        lookups=0,
+        first_attempt_at=None,
+        next_attempt_at=None,
+        remote_id=None,
+        result=None,
+        last_error=None,
+        forward_op_key=new.forward_op_key,
+    )
+
+
+def payload_fingerprint_ok(payload: Any) -> bool:
+    """True when ``payload`` has a canonical JSON form."""
+    try:
+        canonical_json(payload)
+    except NotCanonicalizable:
+        return False
+    return True

@@ -1,0 +1,607 @@
+"""The ``Orchestrator`` facade: open a store, register providers and sagas, execute, recover.
+
+::
+
+    orch = await Orchestrator.open("sqlite+aiosqlite:///agent.db", providers=shop.providers())
+    async with orch:
+        result = await orch.execute(order_saga, {"order_id": "42", "sku": "sku-1", "amount": 1200})
+        result.status  # TxState.COMMITTED
+
+``execute`` validates everything before writing anything, persists the plan and the first
+claim in one local commit, then drives the saga. An effect still in doubt is reconciled with
+jittered backoff (tenacity) for at most ``execute_budget_seconds``; after that the result says
+``in_doubt`` and a worker (``recover`` / ``drain`` / ``agent-txn worker``) finishes the job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal, Self
+
+import structlog
+from tenacity import (
+    AsyncRetrying,
+    RetryError,
+    retry_if_result,
+    stop_after_delay,
+    wait_exponential_jitter,
+)
+
+from ledger import definitions, effects, events, transactions
+from ledger.canonical import NotCanonicalizable, fingerprint
+from ledger.effects import Effect, EffectKind, NewEffect
+from ledger.errors import DuplicateKey, LeaseLost, SchemaOutdated, StorageError, StoreBusy
+from ledger.events import LedgerEntry, LedgerProblem
+from ledger.states import TX_TERMINAL, EffectState, TxState
+from ledger.store import Chain, Store
+from orchestrator import expressions, keys
+from orchestrator.config import EngineSettings
+from orchestrator.crashpoints import CrashPoints
+from orchestrator.driver import SagaRun, Services, render_payload
+from orchestrator.errors import (
+    BusinessKeyConflict,
+    DefinitionInvalid,
+    IdempotencyPayloadMismatch,
+    IdentifierInvalid,
+    LockConflict,
+    PayloadNotSerializable,
+    SchemaOutdatedError,
+    StoreUnavailableError,
+    TransactionNotFound,
+    UnknownActionError,
+    UnknownProviderError,
+)
+from orchestrator.saga import Saga, SagaDefinition
+from orchestrator.views import SagaResult, TransactionView, result_of, view_of
+from providers.contract import Provider, UnknownAction
+from providers.registry import ProviderRegistry, UnknownProvider
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass
+class RecoveryReport:
+    """What one recovery pass (or a drain) did."""
+
+    passes: int = 0
+    transactions: int = 0
+    events: int = 0
+    errors: int = 0
+    lease_lost: int = 0
+    tx_ids: list[str] = field(default_factory=list)
+
+    def merge(self, other: RecoveryReport) -> None:
+        """Add another pass's counts."""
+        self.passes += other.passes
+        self.transactions += other.transactions
+        self.events += other.events
+        self.errors += other.errors
+        self.lease_lost += other.lease_lost
+        self.tx_ids.extend(other.tx_ids)
+
+
+class Orchestrator:
+    """The engine facade. One per process; safe for concurrent ``execute`` calls."""
+
+    def __init__(
+        self,
+        store: Store,
+        *,
+        registry: ProviderRegistry | None = None,
+        settings: EngineSettings | None = None,
+        crashpoints: CrashPoints | None = None,
+    ) -> None:
+        self.store = store
+        self.registry = registry or ProviderRegistry()
+        self.settings = settings or EngineSettings()
+        self.crashpoints = crashpoints or CrashPoints()
+        self._services = Services(store, self.registry, self.settings, self.crashpoints)
+        self._by_name: dict[str, SagaDefinition] = {}
+        self._by_digest: dict[str, SagaDefinition] = {}
+        self._stored: set[str] = set()
+
+    @classmethod
+    async def open(
+        cls,
+        url: str,
+        *,
+        providers: Iterable[Provider] = (),
+        settings: EngineSettings | None = None,
+        crashpoints: CrashPoints | None = None,
+        auto_upgrade: Literal["empty", "always", "never"] = "empty",
+        clock: Callable[[], float] = time.time,
+    ) -> Orchestrator:
+        """Connect to ``url`` (SQLite or PostgreSQL), check or create the schema."""
+        settings = settings or EngineSettings()
+        try:
+            store = await Store.open(
+                url,
+                auto_upgrade=auto_upgrade,
+                clock=clock,
+                sqlite_synchronous=settings.sqlite_synchronous,
+            )
+        except SchemaOutdated as exc:
+            raise SchemaOutdatedError(str(exc)) from exc
+        except StorageError as exc:
+            raise StoreUnavailableError() from exc
+        orch = cls(store, settings=settings, crashpoints=crashpoints)
+        for p in providers:
+            orch.register_provider(p)
+        return orch
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Close the store's connections."""
+        await self.store.close()
+
+    async def abandon(self) -> None:
+        """Drop everything as a crashed process would (no lease released)."""
+        await self.store.abandon()
+
+    # -- registration ---------------------------------------------------------------------------
+
+    def register_provider(self, provider: Provider) -> None:
+        """Make ``provider`` available to sagas by its name."""
+        self.registry.register(provider, replace=True)
+
+    async def register(self, saga: Saga | Mapping[str, Any]) -> SagaDefinition:
+        """Validate ``saga`` (shape, references, providers, contracts) and store its definition."""
+        raw = saga.definition() if isinstance(saga, Saga) else saga
+        definition = SagaDefinition.parse(raw)
+        if definition.digest in self._by_digest:
+            self._by_name[definition.name] = self._by_digest[definition.digest]
+            return self._by_digest[definition.digest]
+        self._check_against_providers(definition)
+        await self._store_definition(definition)
+        self._by_name[definition.name] = definition
+        self._by_digest[definition.digest] = definition
+        return definition
+
+    def _contract(self, provider: str, action: str, where: str) -> Any:
+        try:
+            return self.registry.contract(provider, action)
+        except UnknownProvider:
+            raise UnknownProviderError(
+                f"{where}: provider {provider!r} is not registered",
+                details={"provider": provider},
+            ) from None
+        except UnknownAction:
+            raise UnknownActionError(
+                f"{where}: provider {provider!r} has no action {action!r}",
+                details={"provider": provider, "action": action},
+            ) from None
+
+    def _check_against_providers(self, definition: SagaDefinition) -> None:
+        shape: list[str] = []
+        for step in definition.steps:
+            where = f"step {step['name']!r}"
+            contract = self._contract(step["provider"], step["action"], where)
+            comp = step.get("compensation")
+            if contract.compensation is not None and comp is None:
+                raise DefinitionInvalid(
+                    details={
+                        "reason": f"{where}: the action is reversible; say how "
+                        f"({contract.compensation!r} payload)",
+                        "step": step["name"],
+                    },
+                    step=step["name"],
+                )
+            if comp is not None:
+                if contract.compensation is None:
+                    raise DefinitionInvalid(
+                        details={
+                            "reason": f"{where}: the action is irreversible",
+                            "step": step["name"],
+                        },
+                        step=step["name"],
+                    )
+                if comp["action"] != contract.compensation:
+                    raise DefinitionInvalid(
+                        details={
+                            "reason": f"{where}: compensate with {contract.compensation!r}",
+                            "step": step["name"],
+                        },
+                        step=step["name"],
+                    )
+                self._contract(step["provider"], comp["action"], f"compensation of {where}")
+            if step.get("retriable"):
+                if not contract.dedups_by_key:
+                    raise DefinitionInvalid(
+                        details={
+                            "reason": f"{where}: retriable steps need key dedup",
+                            "step": step["name"],
+                        },
+                        step=step["name"],
+                    )
+                shape.append("R")
+            else:
+                shape.append("C" if comp is not None else "P")
+        text = "".join(shape)
+        # Compensatable steps first, then at most one pivot, then only retriable steps.
+        stripped = text.lstrip("C")
+        if stripped.startswith("P"):
+            stripped = stripped[1:]
+        if stripped.strip("R"):
+            raise DefinitionInvalid(
+                details={
+                    "reason": "saga shape must be: compensatable steps, at most one "
+                    "irreversible pivot, then only retriable steps"
+                }
+            )
+        for ev in definition.outbox:
+            self._contract(ev["provider"], ev["action"], f"outbox event {ev['name']!r}")
+
+    async def _store_definition(self, definition: SagaDefinition) -> None:
+        if definition.digest in self._stored:
+            return
+        async with self.store.transaction() as work:
+            await definitions.put(
+                work, digest=definition.digest, name=definition.name, definition=definition.data
+            )
+        self._stored.add(definition.digest)
+
+    async def _definition(self, digest: str) -> SagaDefinition:
+        known = self._by_digest.get(digest)
+        if known is not None:
+            return known
+        async with self.store.read() as conn:
+            data = await definitions.get(conn, digest)
+        if data is None:
+            raise TransactionNotFound(f"definition {digest} is missing")
+        definition = SagaDefinition.parse(data)
+        self._by_digest[digest] = definition
+        self._stored.add(digest)
+        return definition
+
+    # -- execute --------------------------------------------------------------------------------
+
+    async def execute(
+        self,
+        saga: Saga | str,
+        inputs: Mapping[str, Any],
+        *,
+        tx_id: str | None = None,
+        budget_seconds: float | None = None,
+    ) -> SagaResult:
+        """Run ``saga`` once for ``inputs``.
+
+        ``tx_id`` (optional, caller-chosen) makes the call idempotent: the same id with the same
+        inputs returns that transaction's outcome; with different inputs it is refused
+        (``idempotency_payload_mismatch``) before any provider call.
+        """
+        definition = await self._resolve(saga)
+        if tx_id is not None and not keys.is_identifier(tx_id):
+            raise IdentifierInvalid(
+                "tx_id must be a non-blank identifier", details={"field": "tx_id"}
+            )
+        clean = definition.validate_inputs(inputs)
+        business_key = self._business_key(definition, clean)
+        tx_id = tx_id or uuid.uuid4().hex
+        planned = self._plan(definition, tx_id, clean)
+        chain = Chain(tx_id)
+        owner = self.settings.worker_id
+        lease_ms = self.settings.lease_ms
+        try:
+            async with self.store.transaction() as work:
+                txc = await transactions.insert(
+                    work,
+                    chain,
+                    tx_id=tx_id,
+                    definition_digest=definition.digest,
+                    saga_name=definition.name,
+                    inputs=clean,
+                    owner=owner,
+                    lease_ms=lease_ms,
+                    business_key=business_key,
+                )
+                first = await effects.insert(
+                    work, chain, EffectKind.OPERATION, planned, claim_first=(owner, lease_ms)
+                )
+                self.crashpoints.hit("prepare.before_commit", tx_id=tx_id)
+        except DuplicateKey:
+            return await self._existing(tx_id, clean, business_key)
+        except StoreBusy as exc:
+            raise LockConflict() from exc
+        except StorageError as exc:
+            raise StoreUnavailableError() from exc
+        self.crashpoints.hit("prepare.after_commit", tx_id=tx_id)
+        ops = [_pending_effect(n) for n in planned]
+        if first is not None:
+            ops[0] = _claimed(ops[0], first.fence)
+        run = SagaRun(self._services, definition, tx_id, clean, txc, chain, ops, hold_on_pause=True)
+        try:
+            await self._drive_in_call(run, first, budget_seconds)
+        except LeaseLost:
+            log.info("lease lost during execute; another worker owns it", tx_id=tx_id)
+            return await self.result(tx_id)
+        return result_of(run)
+
+    async def _drive_in_call(self, run: SagaRun, first: Any, budget_seconds: float | None) -> None:
+        budget = self.settings.execute_budget_seconds if budget_seconds is None else budget_seconds
+        await run.drive(first)
+        if run.paused_on is None or run.txc.status in TX_TERMINAL:
+            return  # done, parked, or committed with an outbox event left to the workers
+
+        async def again() -> bool:
+            async with self.store.transaction() as work:
+                await transactions.renew(work, run.txc, lease_ms=self.settings.lease_ms)
+            await run.drive(None, eager=True)
+            return run.paused_on is not None and run.txc.status not in TX_TERMINAL
+
+        if budget > 0:
+            retrying = AsyncRetrying(
+                stop=stop_after_delay(budget),
+                wait=wait_exponential_jitter(
+                    initial=self.settings.backoff_initial_seconds,
+                    max=self.settings.backoff_max_seconds,
+                    jitter=self.settings.backoff_initial_seconds,
+                ),
+                retry=retry_if_result(bool),
+            )
+            # RetryError: the budget ended with the effect still in doubt; workers take over.
+            with contextlib.suppress(RetryError):
+                await retrying(again)
+        if run.paused_on is not None and run.txc.status not in TX_TERMINAL:
+            async with self.store.transaction() as work:
+                await run.release(work)
+
+    async def _resolve(self, saga: Saga | str) -> SagaDefinition:
+        if isinstance(saga, Saga):
+            return await self.register(saga)
+        if not isinstance(saga, str) or saga not in self._by_name:
+            raise DefinitionInvalid(details={"reason": f"no saga named {saga!r} is registered"})
+        return self._by_name[saga]
+
+    def _business_key(self, definition: SagaDefinition, inputs: Mapping[str, Any]) -> str | None:
+        template = definition.data.get("business_key")
+        if template is None:
+            return None
+        try:
+            value = expressions.render(template, {"inputs": inputs})
+        except expressions.ExpressionError as exc:
+            raise IdentifierInvalid(
+                "business key could not be rendered", details={"field": "business_key"}
+            ) from exc
+        if not isinstance(value, str) or not value.strip() or len(value) > 256:
+            raise IdentifierInvalid(
+                "business key must be a non-blank string of at most 256 characters",
+                details={"field": "business_key"},
+            )
+        return value
+
+    def _plan(
+        self, definition: SagaDefinition, tx_id: str, inputs: dict[str, Any]
+    ) -> list[NewEffect]:
+        """Keys for every step, payloads for every step that depends on inputs only."""
+        s = self.settings
+        scope = {"inputs": inputs, "tx": {"id": tx_id}, "steps": {}}
+        planned: list[NewEffect] = []
+        for ordinal, step in enumerate(definition.steps):
+            payload: Any = None
+            sha: str | None = None
+            needs_results = any(r.startswith("steps.") for r in expressions.refs(step["payload"]))
+            if not needs_results:
+                try:
+                    payload, sha = render_payload(step["payload"], scope)
+                except expressions.ExpressionError as exc:
+                    raise PayloadNotSerializable(
+                        f"step {step['name']!r}: {exc.message}",
+                        details={"step": step["name"]},
+                        step=step["name"],
+                    ) from exc
+                except NotCanonicalizable as exc:
+                    raise PayloadNotSerializable(details={"step": step["name"]}) from exc
+            planned.append(
+                NewEffect(
+                    key=keys.op_key(
+                        tenant=s.tenant,
+                        environment=s.environment,
+                        provider=step["provider"],
+                        tx_id=tx_id,
+                        step=step["name"],
+                        version=definition.version,
+                    ),
+                    tx_id=tx_id,
+                    name=step["name"],
+                    provider=step["provider"],
+                    action=step["action"],
+                    ordinal=ordinal,
+                    payload=payload,
+                    payload_sha256=sha,
+                )
+            )
+        if planned and planned[0].payload_sha256 is None:
+            raise DefinitionInvalid(details={"reason": "the first step may depend on inputs only"})
+        return planned
+
+    async def _existing(
+        self, tx_id: str, inputs: Mapping[str, Any], business_key: str | None
+    ) -> SagaResult:
+        async with self.store.read() as conn:
+            existing = await transactions.get(conn, tx_id)
+            holder = (
+                await transactions.live_by_business_key(conn, business_key)
+                if business_key is not None
+                else None
+            )
+        if existing is not None:
+            if fingerprint(existing.inputs) != fingerprint(dict(inputs)):
+                raise IdempotencyPayloadMismatch(
+                    "this tx_id was used with different inputs", details={"field": "inputs"}
+                )
+            return await self.result(tx_id)
+        if holder is not None:
+            if holder.status is TxState.COMMITTED:
+                return await self.result(holder.tx_id)
+            raise BusinessKeyConflict(details={"business_key": business_key, "tx_id": holder.tx_id})
+        raise LockConflict()  # a concurrent writer won the race for a key we could not see
+
+    # -- recovery -------------------------------------------------------------------------------
+
+    async def recover(self, *, limit: int = 100) -> RecoveryReport:
+        """One recovery pass: resume due transactions, dispatch due outbox events."""
+        report = RecoveryReport(passes=1)
+        async with self.store.read() as conn:
+            tx_ids = await transactions.due(conn, self.store.db_now(), limit=limit)
+            due_events = await effects.due(
+                conn, EffectKind.OUTBOX, self.store.db_now(), limit=limit
+            )
+        for tx_id in tx_ids:
+            await self._guarded(report, self._resume(tx_id), tx_id)
+        for tx_id in dict.fromkeys(e.tx_id for e in due_events):
+            await self._guarded(report, self._dispatch(tx_id), tx_id, outbox=True)
+        return report
+
+    async def _guarded(
+        self, report: RecoveryReport, job: Any, tx_id: str, *, outbox: bool = False
+    ) -> None:
+        try:
+            did = await job
+        except LeaseLost:
+            report.lease_lost += 1
+            return
+        except StorageError as exc:
+            report.errors += 1
+            log.warning("recovery step failed", tx_id=tx_id, error=type(exc).__name__)
+            return
+        if did:
+            if outbox:
+                report.events += 1
+            else:
+                report.transactions += 1
+            report.tx_ids.append(tx_id)
+
+    async def _resume(self, tx_id: str) -> bool:
+        owner, lease_ms = self.settings.worker_id, self.settings.lease_ms
+        async with self.store.transaction() as work:
+            chain = await events.chain_of(work.conn, tx_id)
+            txc = await transactions.claim(work, chain, tx_id, owner=owner, lease_ms=lease_ms)
+            if txc is None:
+                return False
+            run = await self._load_run(work.conn, chain, txc)
+            claim = await run._advance(work, eager=False)
+        run._after_commit_milestones()
+        await run.drive(claim)
+        return True
+
+    async def _dispatch(self, tx_id: str) -> bool:
+        async with self.store.transaction() as work:
+            chain = await events.chain_of(work.conn, tx_id)
+            tx = await transactions.get(work.conn, tx_id)
+            if tx is None or tx.status is not TxState.COMMITTED:
+                return False
+            txc = transactions.TxClaim(tx_id, tx.fence, tx.status, self.settings.worker_id)
+            run = await self._load_run(work.conn, chain, txc)
+            claim = await run._advance(work, eager=False)
+        if claim is None:
+            return False
+        await run.drive(claim)
+        return True
+
+    async def _load_run(self, conn: Any, chain: Chain, txc: transactions.TxClaim) -> SagaRun:
+        tx = await transactions.get(conn, txc.tx_id)
+        assert tx is not None
+        definition = await self._definition(tx.definition_digest)
+        return SagaRun(
+            self._services,
+            definition,
+            tx.tx_id,
+            dict(tx.inputs),
+            txc,
+            chain,
+            await effects.for_tx(conn, EffectKind.OPERATION, tx.tx_id),
+            await effects.for_tx(conn, EffectKind.COMPENSATION, tx.tx_id),
+            await effects.for_tx(conn, EffectKind.OUTBOX, tx.tx_id),
+        )
+
+    async def drain(self, *, timeout_seconds: float = 30.0, limit: int = 100) -> RecoveryReport:
+        """Recover until nothing is in flight or ``timeout_seconds`` pass, waiting out backoffs."""
+        total = RecoveryReport()
+        deadline = time.monotonic() + timeout_seconds
+        while True:
+            report = await self.recover(limit=limit)
+            total.merge(report)
+            if report.transactions or report.events:
+                continue
+            if not await self.in_flight() or time.monotonic() >= deadline:
+                return total
+            await asyncio.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+
+    async def in_flight(self) -> int:
+        """Transactions not yet terminal or parked, plus outbox events not yet settled."""
+        async with self.store.read() as conn:
+            counts = await transactions.count_by_status(conn)
+            unsettled = await effects.count_unsettled(conn, EffectKind.OUTBOX)
+        idle = TX_TERMINAL | {TxState.MANUAL_REVIEW, TxState.STAGED}
+        return sum(n for s, n in counts.items() if TxState(s) not in idle) + unsettled
+
+    # -- reading --------------------------------------------------------------------------------
+
+    async def get(self, tx_id: str) -> TransactionView:
+        """The transaction with its operations, reversals and outbox events."""
+        async with self.store.read() as conn:
+            tx = await transactions.get(conn, tx_id)
+            if tx is None:
+                raise TransactionNotFound(details={"tx_id": tx_id})
+            ops = await effects.for_tx(conn, EffectKind.OPERATION, tx_id)
+            comps = await effects.for_tx(conn, EffectKind.COMPENSATION, tx_id)
+            outbox = await effects.for_tx(conn, EffectKind.OUTBOX, tx_id)
+        return view_of(tx, ops, comps, outbox)
+
+    async def result(self, tx_id: str) -> SagaResult:
+        """The typed result of a transaction as stored now."""
+        return (await self.get(tx_id)).result()
+
+    async def ledger(self, tx_id: str) -> list[LedgerEntry]:
+        """A transaction's ledger, oldest first."""
+        async with self.store.read() as conn:
+            return await events.read(conn, tx_id)
+
+    async def verify_ledger(self, tx_id: str | None = None) -> list[LedgerProblem]:
+        """Hash-chain and replay problems (empty when the ledger is intact)."""
+        async with self.store.read() as conn:
+            return await events.verify(conn, tx_id)
+
+
+def _pending_effect(new: NewEffect) -> Effect:
+    return Effect(
+        kind=EffectKind.OPERATION,
+        key=new.key,
+        tx_id=new.tx_id,
+        name=new.name,
+        provider=new.provider,
+        action=new.action,
+        ordinal=new.ordinal,
+        payload=new.payload,
+        payload_sha256=new.payload_sha256,
+        state=EffectState.PENDING,
+        claimed_from=None,
+        lease_owner=None,
+        lease_until=None,
+        fence=0,
+        attempts=0,
+        lookups=0,
+        first_attempt_at=None,
+        next_attempt_at=None,
+        remote_id=None,
+        result=None,
+        last_error=None,
+    )
+
+
+def _claimed(e: Effect, fence: int) -> Effect:
+    from dataclasses import replace
+
+    return replace(
+        e, state=EffectState.EXECUTING, fence=fence, attempts=1, claimed_from=EffectState.PENDING
+    )

@@ -1,0 +1,310 @@
+"""The one error-code registry, and the error tree callers catch.
+
+::
+
+    AgentTxnError                      every error agent-txn raises to a caller
+    ├── DefinitionInvalid              saga_definition_invalid       400  author
+    ├── UnknownProviderError           unknown_provider              400  author
+    ├── UnknownActionError             unknown_action                400  author
+    ├── InputInvalid                   command_input_invalid         400  execute
+    ├── IdentifierInvalid              invalid_identifier            400  execute
+    ├── PayloadNotSerializable         payload_not_serializable      400  execute
+    ├── IdempotencyPayloadMismatch     idempotency_payload_mismatch  409  execute
+    ├── BusinessKeyConflict            business_key_conflict         409  execute  retryable
+    ├── LockConflict                   command_lock_conflict         409  execute  retryable
+    ├── StoreUnavailableError          store_unavailable             503  execute  retryable
+    ├── SchemaOutdatedError            schema_outdated               500  execute
+    ├── TransactionNotFound            transaction_not_found         404  execute
+    ├── NotResolvable                  not_resolvable                409  execute
+    └── ExecutionFailed                command_execution_failed      500  execute  (the fallback)
+
+Codes that only appear as a saga's *outcome* (``SagaResult.error``), not as exceptions:
+``provider_rejected``, ``validation_failed``, ``manual_review``, ``in_doubt``.
+
+Each code is registered once with its HTTP status, whether a retry of the same call may succeed,
+its phases and the detail keys it may carry. :func:`envelope` builds the closed error envelope
+``{error, phase, message, retryable, details, step?, path?}``; anything unregistered or carrying
+unregistered details degrades to ``command_execution_failed`` and leaks nothing. Messages are
+fixed strings chosen here: no provider or database text is ever copied in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar, Final
+
+PHASES: Final = frozenset({"author", "execute", "stage", "release", "callback"})
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorCode:
+    """A registered error code."""
+
+    code: str
+    http_status: int
+    retryable: bool
+    message: str
+    phases: frozenset[str] = frozenset({"execute"})
+    detail_keys: frozenset[str] = frozenset()
+
+
+REGISTRY: dict[str, ErrorCode] = {}
+
+
+def register(code: ErrorCode) -> ErrorCode:
+    """Add ``code`` to the registry (once)."""
+    if code.code in REGISTRY:
+        raise ValueError(f"error code {code.code!r} registered twice")
+    REGISTRY[code.code] = code
+    return code
+
+
+def _reg(
+    code: str,
+    status: int,
+    message: str,
+    *,
+    retryable: bool = False,
+    phases: tuple[str, ...] = ("execute",),
+    details: tuple[str, ...] = (),
+) -> ErrorCode:
+    return register(
+        ErrorCode(code, status, retryable, message, frozenset(phases), frozenset(details))
+    )
+
+
+FALLBACK = _reg("command_execution_failed", 500, "The command could not be executed.")
+_reg(
+    "saga_definition_invalid",
+    400,
+    "The saga definition is invalid.",
+    phases=("author",),
+    details=("reason", "step"),
+)
+_reg(
+    "unknown_provider",
+    400,
+    "The saga names a provider that is not registered.",
+    phases=("author", "execute"),
+    details=("provider",),
+)
+_reg(
+    "unknown_action",
+    400,
+    "The saga names an action the provider does not offer.",
+    phases=("author", "execute"),
+    details=("provider", "action"),
+)
+_reg(
+    "command_input_invalid",
+    400,
+    "The inputs do not match the saga's input schema.",
+    details=("errors",),
+)
+_reg("invalid_identifier", 400, "An id or key is empty, blank or malformed.", details=("field",))
+_reg(
+    "payload_not_serializable",
+    400,
+    "A rendered payload has no canonical JSON form.",
+    details=("step",),
+)
+_reg(
+    "idempotency_payload_mismatch",
+    409,
+    "The same key was used with a different payload.",
+    details=("field",),
+)
+_reg(
+    "business_key_conflict",
+    409,
+    "Another transaction for the same business key is still in flight.",
+    retryable=True,
+    details=("business_key", "tx_id"),
+)
+_reg(
+    "command_lock_conflict",
+    409,
+    "Concurrent write conflict (lock); please retry the request.",
+    retryable=True,
+)
+_reg("store_unavailable", 503, "The database is unavailable; please retry.", retryable=True)
+_reg("schema_outdated", 500, "The database schema needs `agent-txn db upgrade`.")
+_reg("transaction_not_found", 404, "Transaction not found.", details=("tx_id",))
+_reg(
+    "not_resolvable",
+    409,
+    "That effect is not waiting for a manual decision.",
+    details=("tx_id", "op"),
+)
+# Outcome codes (SagaResult.error), registered so envelopes built from them validate.
+_reg("provider_rejected", 422, "The provider declined the request.", details=("step",))
+_reg("validation_failed", 422, "A post-condition of the saga did not hold.", details=("check",))
+_reg(
+    "manual_review",
+    202,
+    "The transaction is parked for a person to decide.",
+    details=("step", "reason"),
+)
+_reg(
+    "in_doubt",
+    202,
+    "An effect is still being reconciled; workers will finish it.",
+    retryable=True,
+    details=("step",),
+)
+
+
+class AgentTxnError(Exception):
+    """Base of every error agent-txn raises to a caller; ``code`` names its registry entry."""
+
+    code: ClassVar[str] = FALLBACK.code
+
+    def __init__(
+        self,
+        message: str | None = None,
+        *,
+        details: Mapping[str, Any] | None = None,
+        step: str | None = None,
+        path: str | None = None,
+    ) -> None:
+        entry = REGISTRY[self.code]
+        self.message = message or entry.message
+        self.details = dict(details or {})
+        self.step = step
+        self.path = path
+        super().__init__(self.message)
+
+    @property
+    def retryable(self) -> bool:
+        """Whether the same call may succeed if repeated."""
+        return REGISTRY[self.code].retryable
+
+    @property
+    def http_status(self) -> int:
+        """The HTTP status this code maps to."""
+        return REGISTRY[self.code].http_status
+
+    def envelope(self, phase: str = "execute") -> dict[str, Any]:
+        """The closed error envelope for this error."""
+        return envelope(
+            self.code,
+            phase=phase,
+            message=self.message,
+            details=self.details,
+            step=self.step,
+            path=self.path,
+        )
+
+
+class DefinitionInvalid(AgentTxnError):
+    """The saga definition breaks a rule (shape, references, unknown operator ...)."""
+
+    code = "saga_definition_invalid"
+
+
+class UnknownProviderError(AgentTxnError):
+    """A step names a provider that is not registered."""
+
+    code = "unknown_provider"
+
+
+class UnknownActionError(AgentTxnError):
+    """A step names an action its provider does not offer."""
+
+    code = "unknown_action"
+
+
+class InputInvalid(AgentTxnError):
+    """Inputs do not validate against the saga's input schema."""
+
+    code = "command_input_invalid"
+
+
+class IdentifierInvalid(AgentTxnError):
+    """An id or key is empty, blank, too long or has characters outside its alphabet."""
+
+    code = "invalid_identifier"
+
+
+class PayloadNotSerializable(AgentTxnError):
+    """A payload cannot be written as canonical JSON."""
+
+    code = "payload_not_serializable"
+
+
+class IdempotencyPayloadMismatch(AgentTxnError):
+    """The same key arrived with a different payload fingerprint: refused, never guessed."""
+
+    code = "idempotency_payload_mismatch"
+
+
+class BusinessKeyConflict(AgentTxnError):
+    """Another live transaction holds the business key."""
+
+    code = "business_key_conflict"
+
+
+class LockConflict(AgentTxnError):
+    """Lock contention outlasted the in-server retries; nothing partial landed."""
+
+    code = "command_lock_conflict"
+
+
+class StoreUnavailableError(AgentTxnError):
+    """The database could not be reached."""
+
+    code = "store_unavailable"
+
+
+class SchemaOutdatedError(AgentTxnError):
+    """The database is behind this package's migrations."""
+
+    code = "schema_outdated"
+
+
+class TransactionNotFound(AgentTxnError):
+    """No transaction with that id."""
+
+    code = "transaction_not_found"
+
+
+class NotResolvable(AgentTxnError):
+    """An operator asked to resolve an effect that is not parked."""
+
+    code = "not_resolvable"
+
+
+class ExecutionFailed(AgentTxnError):
+    """Anything unexpected: the fallback that leaks nothing."""
+
+    code = FALLBACK.code
+
+
+def envelope(
+    code: str,
+    *,
+    phase: str = "execute",
+    message: str | None = None,
+    details: Mapping[str, Any] | None = None,
+    step: str | None = None,
+    path: str | None = None,
+) -> dict[str, Any]:
+    """The closed envelope; unregistered codes, phases or detail keys degrade to the fallback."""
+    entry = REGISTRY.get(code)
+    details = dict(details or {})
+    if entry is None or phase not in PHASES or not set(details) <= entry.detail_keys:
+        entry, details, message, step, path = FALLBACK, {}, None, None, None
+        phase = phase if phase in PHASES else "execute"
+    out: dict[str, Any] = {
+        "error": entry.code,
+        "phase": phase,
+        "message": message or entry.message,
+        "retryable": entry.retryable,
+        "details": details,
+    }
+    if step is not None:
+        out["step"] = step
+    if path is not None:
+        out["path"] = path
+    return out
