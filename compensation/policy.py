@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tenacity import RetryCallState, wait_exponential_jitter
+from tenacity import RetryCallState, wait_random_exponential
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,9 +27,8 @@ class RetryBudget:
 
     def delay_seconds(self, attempts_made: int) -> float:
         """Jittered exponential delay before the next attempt (tenacity's strategy)."""
-        wait = wait_exponential_jitter(
-            initial=self.initial_seconds, max=self.max_seconds, jitter=self.initial_seconds
-        )
+        # Full jitter (AWS architecture blog): spreads K workers retrying one provider.
+        wait = wait_random_exponential(multiplier=self.initial_seconds, max=self.max_seconds)
         state = RetryCallState(retry_object=None, fn=None, args=(), kwargs={})  # type: ignore[arg-type]
         state.attempt_number = max(1, attempts_made)
         return float(wait(state))

@@ -26,9 +26,9 @@ from compensation.policy import (
     RetryBudget,
 )
 from ledger import effects, transactions
-from ledger.canonical import NotCanonicalizable, canonical_json, fingerprint
+from ledger.canonical import NotCanonicalizable, fingerprint
 from ledger.effects import Claim, Effect, EffectKind
-from ledger.states import EffectState, TxState
+from ledger.states import TX_TERMINAL, EffectState, TxState
 from ledger.store import Chain, Store, Work
 from ledger.transactions import TxClaim
 from orchestrator import expressions, keys
@@ -93,7 +93,12 @@ class SagaRun:
                 decision = await self._decide(claim)
                 async with store.transaction() as work:
                     await self._record(work, claim, decision)
-                    claim = await self._advance(work, eager=eager)
+                    if decision.in_doubt:
+                        # Never re-claim in the same breath: the backoff is the point.
+                        await self._pause(work, self._cached(claim.kind, claim.key))
+                        claim = None
+                    else:
+                        claim = await self._advance(work, eager=eager)
                     crash.hit("record.before_commit", **self._ctx_of(claim, decision))
                 crash.hit("record.after_commit", tx_id=self.tx_id, kind="record")
             self._after_commit_milestones()
@@ -203,7 +208,7 @@ class SagaRun:
                     return None
                 claim = await self._claim_op(work, op, eager=eager)
                 if claim is None:
-                    if self.ops_state(op.key) is EffectState.MANUAL_REVIEW:
+                    if self.ops_state(op.key) in (EffectState.MANUAL_REVIEW, EffectState.FAILED):
                         continue
                     await self._pause(work, op)
                     return None
@@ -227,6 +232,8 @@ class SagaRun:
                     return None
                 claim = await self._claim_effect(work, step_, eager=eager)
                 if claim is None:
+                    if self._cached(step_.kind, step_.key).state is EffectState.MANUAL_REVIEW:
+                        continue
                     await self._pause(work, step_)
                 return claim
             if status is TxState.COMMITTED:
@@ -264,41 +271,26 @@ class SagaRun:
         return scope
 
     async def _claim_op(self, work: Work, op: Effect, *, eager: bool) -> Claim | None:
-        if op.payload_sha256 is not None:
-            return await self._claim_effect(work, op, eager=eager)
         template = self.definition.step(op.name)["payload"]
         try:
             payload, sha = render_payload(template, self.scope())
         except (expressions.ExpressionError, NotCanonicalizable) as exc:
-            # Deterministic: it will never render. Nothing was sent, so the op failed.
-            claim = await self._claim_effect(work, op, eager=True)
-            if claim is not None:
-                await self._record(
-                    work,
-                    claim,
-                    Decision(
-                        EffectState.FAILED,
-                        "render",
-                        error="payload_render_failed",
-                        detail={"code": getattr(exc, "code", "not_json")},
-                    ),
-                )
-            return None
-        claim = await self._claim_effect(work, op, eager=eager, payload=(payload, sha))
-        if claim is not None and claim.payload_sha256 != sha:
-            # Same key, different payload: never guessed, never sent. A person decides.
-            await self._record(
-                work,
-                claim,
-                Decision(
-                    EffectState.MANUAL_REVIEW,
-                    "park",
-                    error="idempotency_payload_mismatch",
-                    detail={"reason": REASON_PAYLOAD},
-                ),
-            )
-            return None
-        return claim
+            if op.payload_sha256 is not None:
+                payload, sha = op.payload, op.payload_sha256  # stored at prepare; checked below
+            else:
+                # Deterministic: it will never render. Nothing was sent, so the op failed.
+                claim = await self._claim_effect(work, op, eager=True)
+                if claim is not None:
+                    await self._record(
+                        work,
+                        claim,
+                        Decision(
+                            EffectState.FAILED, "render", error="payload_render_failed",
+                            detail={"code": getattr(exc, "code", "not_json")},
+                        ),
+                    )
+                return None
+        return await self._claim_effect(work, op, eager=eager, payload=(payload, sha))
 
     async def _claim_effect(
         self,
@@ -308,6 +300,11 @@ class SagaRun:
         eager: bool,
         payload: tuple[Any, str] | None = None,
     ) -> Claim | None:
+        """Claim ``e``; refuse to call if its stored payload is not the intended one.
+
+        The stored payload must hash to its stored fingerprint, and a re-rendered forward payload
+        (``payload``) must have that same fingerprint: the same key never carries another payload.
+        """
         claim = await effects.claim(
             work,
             self.chain,
@@ -319,22 +316,30 @@ class SagaRun:
             payload_sha256=payload[1] if payload else None,
             due_only=not eager,
         )
-        if claim is not None:
-            self._replace(
-                e.kind,
-                e.key,
-                state=EffectState.EXECUTING,
-                fence=claim.fence,
-                attempts=claim.attempts,
-                payload=claim.payload,
-                payload_sha256=claim.payload_sha256,
+        if claim is None:
+            return None
+        self._replace(
+            e.kind, e.key, state=EffectState.EXECUTING, fence=claim.fence,
+            attempts=claim.attempts, payload=claim.payload, payload_sha256=claim.payload_sha256,
+        )
+        stored_ok = _fingerprint_or_none(claim.payload) == claim.payload_sha256
+        if not stored_ok or (payload is not None and claim.payload_sha256 != payload[1]):
+            # Same key, different payload: never guessed, never sent. A person decides.
+            await self._record(
+                work,
+                claim,
+                Decision(
+                    EffectState.MANUAL_REVIEW, "park", error="idempotency_payload_mismatch",
+                    detail={"reason": REASON_PAYLOAD},
+                ),
             )
+            return None
         return claim
 
     async def _pause(self, work: Work, e: Effect) -> None:
         self.paused_on = e
-        if self.hold_on_pause:
-            return
+        if self.hold_on_pause or self.txc.status in TX_TERMINAL:
+            return  # held for an in-call retry, or a committed saga's outbox (no tx lease)
         await self.release(work)
 
     async def release(self, work: Work) -> None:
@@ -511,12 +516,18 @@ class SagaRun:
             release=True,
         )
 
-    def _replace(self, kind: EffectKind, key: str, **changes: Any) -> None:
-        items = {
+    def _items(self, kind: EffectKind) -> list[Effect]:
+        return {
             EffectKind.OPERATION: self.ops,
             EffectKind.COMPENSATION: self.reversals,
             EffectKind.OUTBOX: self.events,
         }[kind]
+
+    def _cached(self, kind: EffectKind, key: str) -> Effect:
+        return next(e for e in self._items(kind) if e.key == key)
+
+    def _replace(self, kind: EffectKind, key: str, **changes: Any) -> None:
+        items = self._items(kind)
         for index, e in enumerate(items):
             if e.key == key:
                 items[index] = replace(e, **changes)
@@ -551,10 +562,8 @@ def _as_effect(kind: EffectKind, new: effects.NewEffect, claim: Claim | None) ->
     )
 
 
-def payload_fingerprint_ok(payload: Any) -> bool:
-    """True when ``payload`` has a canonical JSON form."""
+def _fingerprint_or_none(payload: Any) -> str | None:
     try:
-        canonical_json(payload)
+        return fingerprint(payload)
     except NotCanonicalizable:
-        return False
-    return True
+        return None

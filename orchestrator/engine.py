@@ -29,7 +29,7 @@ from tenacity import (
     RetryError,
     retry_if_result,
     stop_after_delay,
-    wait_exponential_jitter,
+    wait_random_exponential,
 )
 
 from ledger import definitions, effects, events, transactions
@@ -341,10 +341,9 @@ class Orchestrator:
         if budget > 0:
             retrying = AsyncRetrying(
                 stop=stop_after_delay(budget),
-                wait=wait_exponential_jitter(
-                    initial=self.settings.backoff_initial_seconds,
+                wait=wait_random_exponential(
+                    multiplier=self.settings.backoff_initial_seconds,
                     max=self.settings.backoff_max_seconds,
-                    jitter=self.settings.backoff_initial_seconds,
                 ),
                 retry=retry_if_result(bool),
             )

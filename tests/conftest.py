@@ -22,6 +22,10 @@ from pathlib import Path
 import pytest
 from sqlalchemy.engine import make_url
 
+from orchestrator.engine import Orchestrator
+from providers.fake.shop import FakeShop
+from tests.support.world import World, fast_settings
+
 DEFAULT_PG_URL = "postgresql+asyncpg://postgres@127.0.0.1:5432/postgres"
 BACKENDS = ("sqlite", "postgres")
 
@@ -130,3 +134,23 @@ async def db_urls(backend: str, tmp_path: Path) -> AsyncIterator[DbUrls]:
 @pytest.fixture
 def anyio_backend() -> Iterator[str]:
     yield "asyncio"
+
+
+# -- engine fixtures ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def world(db_urls: DbUrls) -> AsyncIterator[World]:
+    """A fresh engine and fake shop (stock sku-1 = 100) on the parametrized backend."""
+    shop = await FakeShop.open(db_urls.provider)
+    await shop.seed_stock({"sku-1": 100})
+    orch = await Orchestrator.open(
+        db_urls.store, providers=shop.providers(), settings=fast_settings()
+    )
+    w = World(db_urls, shop, orch, [])
+    try:
+        yield w
+    finally:
+        for o in [orch, *w.extra]:
+            await o.close()
+        await shop.close()

@@ -15,6 +15,7 @@ on both backends, and TRUNCATE on PostgreSQL (SQLite has no TRUNCATE; ``DELETE``
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import sqlalchemy as sa
 from alembic import op
@@ -38,11 +39,11 @@ _APPEND_ONLY = "ledger is append-only"
 _EFFECT_TABLES = ("operations", "compensation_steps", "outbox")
 
 
-def _json() -> sa.types.TypeEngine[object]:
+def _json() -> sa.types.TypeEngine[Any]:
     return sa.JSON().with_variant(postgresql.JSONB(), "postgresql")
 
 
-def _effect_columns() -> list[sa.Column[object]]:
+def _effect_columns() -> list[sa.Column[Any]]:
     """The shared effect state machine's columns (fresh objects per table)."""
     return [
         sa.Column("provider", sa.String(100), nullable=False),

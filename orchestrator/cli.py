@@ -1,0 +1,425 @@
+"""The ``agent-txn`` command line: ``demo``, ``db upgrade|current``, ``ledger show|verify``.
+
+Every command that reads opens the store with ``auto_upgrade="never"``: a missing or outdated
+schema is reported (``run agent-txn db upgrade``), never silently created. Errors the engine
+raises on purpose (:class:`~orchestrator.errors.AgentTxnError`, storage errors, bad URLs) end as
+one line on stderr with exit code 2; exit code 1 means the command ran and found a problem
+(ledger verification failed, a demo order did not end as expected).
+
+Sub-apps are plain :class:`typer.Typer` instances added with ``app.add_typer``, so later
+commands (``worker``, ``review``, ``fault-inject``, ``bench``, ``serve``) slot in the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Annotated, Any, Final, NoReturn, TypeVar
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+from sqlalchemy import func, select
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError, NoSuchModuleError
+
+from ledger import dialects, migrate
+from ledger.errors import StorageError
+from ledger.schema import ledger as ledger_table
+from ledger.schema import transactions as transactions_table
+from orchestrator.demo import (
+    DemoError,
+    compact_json,
+    run_demo,
+    subject_labels,
+    transition,
+    utc_iso,
+)
+from orchestrator.engine import Orchestrator
+from orchestrator.errors import AgentTxnError
+from orchestrator.logging import LEVELS, configure_logging, level_number
+
+T = TypeVar("T")
+
+DEFAULT_DB: Final = "sqlite+aiosqlite:///agent.db"
+DB_ENV: Final = "AGENT_TXN_DB"
+LOG_LEVEL_ENV: Final = "AGENT_TXN_LOG_LEVEL"
+#: Exit code for "could not run" (bad input, missing schema, unknown id); 1 is "ran, found a
+#: problem", as with grep and diff.
+EXIT_USAGE: Final = 2
+EXIT_PROBLEM: Final = 1
+
+app = typer.Typer(
+    name="agent-txn",
+    help="A saga engine for the side effects of AI agents.",
+    no_args_is_help=True,
+    add_completion=False,
+    # Locals would print database URLs with their passwords.
+    pretty_exceptions_show_locals=False,
+)
+db_app = typer.Typer(help="Schema migrations.", no_args_is_help=True)
+ledger_app = typer.Typer(help="Read and verify the append-only ledger.", no_args_is_help=True)
+app.add_typer(db_app, name="db")
+app.add_typer(ledger_app, name="ledger")
+
+DbOption = Annotated[
+    str,
+    typer.Option(
+        "--db",
+        envvar=DB_ENV,
+        help="agent-txn database URL (sqlite+aiosqlite:///path.db or postgresql+asyncpg://…).",
+        show_envvar=True,
+    ),
+]
+
+
+class CliFailure(Exception):
+    """A clean, expected failure: one message line and an exit code, no traceback."""
+
+    def __init__(self, message: str, code: int = EXIT_USAGE) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code
+
+
+def _stdout() -> Console:
+    # Built per call, not at import: test runners swap sys.stdout after this module is loaded.
+    console = Console(highlight=False)
+    if not console.is_terminal and "COLUMNS" not in os.environ:
+        # Piped into a file or CI log, rich would wrap at 80 columns and split remote ids.
+        console = Console(highlight=False, width=120)
+    return console
+
+
+def _fail(message: str, code: int = EXIT_USAGE) -> NoReturn:
+    Console(stderr=True, highlight=False).print(f"error: {escape(message)}", soft_wrap=True)
+    raise typer.Exit(code)
+
+
+def _describe(exc: AgentTxnError) -> str:
+    text = f"{exc.code}: {exc.message}"
+    if exc.details:
+        text += f" {compact_json(exc.details)}"
+    cause = exc.__cause__
+    # The engine hides storage details from API callers; an operator at a terminal wants the
+    # (already sanitised) reason, e.g. "database unreachable".
+    if isinstance(cause, StorageError) and str(cause) and str(cause) not in exc.message:
+        text += f" ({cause})"
+    return text
+
+
+def _run(job: Coroutine[Any, Any, T]) -> T:
+    """Run ``job``; expected failures become one line on stderr and exit code 2."""
+    try:
+        return asyncio.run(job)
+    except CliFailure as exc:
+        _fail(exc.message, exc.code)
+    except AgentTxnError as exc:
+        _fail(_describe(exc))
+    except DemoError as exc:
+        _fail(str(exc))
+    except StorageError as exc:
+        _fail(f"{type(exc).__name__}: {exc}")
+    except Exception as exc:
+        # Raw driver errors from paths that do not go through the store (``db upgrade``):
+        # translate what we recognise, let real bugs keep their traceback.
+        translated = dialects.translate(exc)
+        if translated is None:
+            raise
+        _fail(f"{type(translated).__name__}: {translated}")
+
+
+def _checked_url(url: str, option: str = "--db") -> str:
+    """``url`` normalised to its async driver; unsupported or malformed URLs fail cleanly."""
+    try:
+        normalized = dialects.normalize_url(url)
+        dialects.dialect_of(normalized)
+        make_url(normalized).get_dialect()  # is the driver installed?
+    except (ArgumentError, NoSuchModuleError, ValueError) as exc:
+        raise CliFailure(f"{option}: {exc}") from None
+    return normalized
+
+
+def _sqlite_path(url: str) -> Path | None:
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "sqlite":
+        return None
+    database = parsed.database or ""
+    if database in ("", ":memory:") or database.startswith("file:"):
+        return None
+    return Path(database)
+
+
+def _require_existing(url: str) -> None:
+    # SQLite would create an empty file on connect; a read command must not leave one behind.
+    path = _sqlite_path(url)
+    if path is not None and not path.exists():
+        raise CliFailure(f"no agent-txn database at {path}; run `agent-txn db upgrade --db {url}`")
+
+
+async def _open_for_reading(url: str) -> Orchestrator:
+    url = _checked_url(url)
+    _require_existing(url)
+    return await Orchestrator.open(url, auto_upgrade="never")
+
+
+# -- root ---------------------------------------------------------------------------------------
+
+
+@app.callback()
+def _root(
+    log_level: Annotated[
+        str,
+        typer.Option(
+            "--log-level",
+            envvar=LOG_LEVEL_ENV,
+            show_envvar=True,
+            help=f"Engine log level ({', '.join(LEVELS)}); logs go to stderr.",
+        ),
+    ] = "WARNING",
+    log_json: Annotated[
+        bool,
+        typer.Option("--log-json/--log-text", help="JSON log lines (default) or plain text."),
+    ] = True,
+) -> None:
+    """A saga engine for the side effects of AI agents."""
+    try:
+        level_number(log_level)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--log-level") from None
+    configure_logging(log_level, json=log_json)
+
+
+# -- demo ---------------------------------------------------------------------------------------
+
+
+def _remove_sqlite_files(path: Path) -> None:
+    for suffix in ("", "-wal", "-shm", "-journal"):
+        path.with_name(path.name + suffix).unlink(missing_ok=True)
+
+
+@app.command()
+def demo(
+    directory: Annotated[
+        Path,
+        typer.Option(
+            "--dir",
+            help="Where the demo's two SQLite files go (recreated on every run).",
+            file_okay=False,
+        ),
+    ] = Path("agent-txn-demo"),
+    db: Annotated[
+        str | None,
+        typer.Option("--db", help="Our database instead of <dir>/agent.db (must be empty)."),
+    ] = None,
+    provider_db: Annotated[
+        str | None,
+        typer.Option(
+            "--provider-db",
+            help="The fake provider's database instead of <dir>/provider.db; required with a "
+            "PostgreSQL --db.",
+        ),
+    ] = None,
+) -> None:
+    """Three orders against two databases: happy path, lost charge response, rejected charge."""
+    # AGENT_TXN_DB is deliberately not read here: the demo must never run on a real store.
+    if db is not None:
+        db = _checked_url_or_exit(db, "--db")
+    if provider_db is not None:
+        provider_db = _checked_url_or_exit(provider_db, "--provider-db")
+    if db is not None and provider_db is None and dialects.dialect_of(db) == "postgresql":
+        _fail(
+            "--provider-db is required with a PostgreSQL --db: the fake provider needs a "
+            "database of its own (e.g. --provider-db postgresql+asyncpg://…/agent_txn_provider)"
+        )
+    if db is None or provider_db is None:
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            _fail(f"--dir {directory}: {exc.strerror or exc}")
+        base = directory.resolve()
+    if db is None:
+        # Only files inside the demo directory are ours to delete; an explicit --db is not.
+        _remove_sqlite_files(base / "agent.db")
+        db = f"sqlite+aiosqlite:///{base / 'agent.db'}"
+    if provider_db is None:
+        _remove_sqlite_files(base / "provider.db")
+        provider_db = f"sqlite+aiosqlite:///{base / 'provider.db'}"
+    if make_url(db) == make_url(provider_db):
+        _fail("--db and --provider-db must be two different databases")
+    report = _run(run_demo(db, provider_db, out=_stdout()))
+    if not report.ok:
+        raise typer.Exit(EXIT_PROBLEM)
+
+
+def _checked_url_or_exit(url: str, option: str) -> str:
+    try:
+        return _checked_url(url, option)
+    except CliFailure as exc:
+        _fail(exc.message, exc.code)
+
+
+# -- db -----------------------------------------------------------------------------------------
+
+
+async def _revisions(url: str, *, apply: bool) -> tuple[str | None, str | None]:
+    url = _checked_url(url)
+    path = _sqlite_path(url)
+    if path is not None and not path.parent.exists():
+        raise CliFailure(f"directory {path.parent} does not exist")
+    if not apply:
+        _require_existing(url)
+    engine = dialects.create_engine(url)
+    try:
+        before = await migrate.current_revision(engine)
+        if not apply:
+            return before, before
+        await migrate.upgrade(engine)
+        return before, await migrate.current_revision(engine)
+    finally:
+        await engine.dispose()
+
+
+@db_app.command("upgrade")
+def db_upgrade(db: DbOption = DEFAULT_DB) -> None:
+    """Apply the packaged migrations (safe to run concurrently and repeatedly)."""
+    before, after = _run(_revisions(db, apply=True))
+    out = _stdout()
+    if before == after:
+        out.print(f"schema already at {after} (head)")
+    else:
+        out.print(f"schema upgraded: {before or '(empty)'} → {after}")
+
+
+@db_app.command("current")
+def db_current(db: DbOption = DEFAULT_DB) -> None:
+    """Print the schema revision; exit 1 when it is not the newest this package ships."""
+    current, _ = _run(_revisions(db, apply=False))
+    _stdout().print(f"schema at {current or '(empty)'}; this agent-txn needs {migrate.HEAD}")
+    if current != migrate.HEAD:
+        raise typer.Exit(EXIT_PROBLEM)
+
+
+# -- ledger -------------------------------------------------------------------------------------
+
+
+async def _show(url: str, tx_id: str, as_json: bool) -> None:
+    orch = await _open_for_reading(url)
+    try:
+        view = await orch.get(tx_id)  # TransactionNotFound -> exit 2
+        entries = await orch.ledger(tx_id)
+    finally:
+        await orch.close()
+    out = _stdout()
+    if as_json:
+        rows = [
+            {
+                "seq": e.seq,
+                "time": utc_iso(e.created_at),
+                "subject": e.subject,
+                "action": e.action,
+                "from": e.from_state,
+                "to": e.to_state,
+                "detail": e.detail,
+                "hash": e.hash,
+            }
+            for e in entries
+        ]
+        # Plain print, not rich: the output is for machines and must not be wrapped.
+        print(json.dumps(rows, sort_keys=True, ensure_ascii=False))
+        return
+    tx = view.tx
+    business = f" · {tx.business_key}" if tx.business_key else ""
+    out.print(
+        f"[bold]{escape(tx.tx_id)}[/] · {escape(tx.saga_name)}{escape(business)} · "
+        f"{tx.status.value} · {len(entries)} ledger rows"
+    )
+    labels = subject_labels(view)
+    table = Table(show_lines=False, pad_edge=False)
+    table.add_column("seq", justify="right", no_wrap=True)
+    table.add_column("time (UTC)", no_wrap=True)
+    table.add_column("subject", no_wrap=True)
+    table.add_column("action", no_wrap=True)
+    table.add_column("from → to", no_wrap=True)
+    table.add_column("detail", overflow="fold")
+    for e in entries:
+        subject = labels.get(e.subject, "?")
+        if e.subject is not None:
+            subject = f"{subject} {e.subject[:8]}"
+        table.add_row(
+            str(e.seq),
+            utc_iso(e.created_at),
+            escape(subject),
+            escape(e.action),
+            escape(transition(e)),
+            escape(compact_json(e.detail)),
+        )
+    out.print(table)
+
+
+@ledger_app.command("show")
+def ledger_show(
+    tx_id: Annotated[str, typer.Argument(metavar="TX", help="Transaction id.")],
+    db: DbOption = DEFAULT_DB,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the rows as JSON.")] = False,
+) -> None:
+    """A transaction's ledger, oldest row first."""
+    _run(_show(db, tx_id, as_json))
+
+
+async def _verify(url: str, tx_id: str | None) -> tuple[list[str], int, int]:
+    orch = await _open_for_reading(url)
+    try:
+        if tx_id is not None:
+            await orch.get(tx_id)  # an unknown id is a usage error, not an empty "OK"
+        problems = await orch.verify_ledger(tx_id)
+        count_tx = select(func.count()).select_from(transactions_table)
+        count_rows = select(func.count()).select_from(ledger_table)
+        if tx_id is not None:
+            count_tx = count_tx.where(transactions_table.c.tx_id == tx_id)
+            count_rows = count_rows.where(ledger_table.c.tx_id == tx_id)
+        async with orch.store.read() as conn:
+            n_tx = int((await conn.execute(count_tx)).scalar_one())
+            n_rows = int((await conn.execute(count_rows)).scalar_one())
+    finally:
+        await orch.close()
+    lines = [
+        f"{p.tx_id}" + (f" seq {p.seq}" if p.seq is not None else "") + f": {p.problem}"
+        for p in problems
+    ]
+    return lines, n_tx, n_rows
+
+
+@ledger_app.command("verify")
+def ledger_verify(
+    db: DbOption = DEFAULT_DB,
+    tx_id: Annotated[
+        str | None, typer.Option("--tx", metavar="TX", help="Verify one transaction only.")
+    ] = None,
+) -> None:
+    """Check every hash chain and replay the ledger against the stored state; exit 1 on problems."""
+    problems, n_tx, n_rows = _run(_verify(db, tx_id))
+    out = _stdout()
+    if not problems:
+        out.print(f"ledger OK: {n_tx} transactions, {n_rows} rows verified")
+        return
+    for line in problems:
+        out.print(escape(line), soft_wrap=True)
+    out.print(
+        f"[red]ledger verification FAILED: {len(problems)} problem(s) "
+        f"in {n_tx} transactions, {n_rows} rows[/]"
+    )
+    raise typer.Exit(EXIT_PROBLEM)
+
+
+def main() -> None:
+    """Entry point of the ``agent-txn`` console script."""
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""structlog configuration for the CLI and workers: JSON lines on stderr, filtered by level.
+
+The engine logs through ``structlog.get_logger`` and never configures anything itself; a
+process entry point (the CLI, a worker, a test) calls :func:`configure_logging` once. Until
+then structlog's defaults apply (pretty lines on stdout), which is why the CLI calls it before
+any command runs: stdout is for the command's own output.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import IO, Any, Final
+
+import structlog
+
+__all__ = ["LEVELS", "configure_logging", "level_number"]
+
+#: Level names accepted by :func:`configure_logging` (case-insensitive).
+LEVELS: Final = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def level_number(level: str) -> int:
+    """The stdlib number of a level name; :class:`ValueError` for anything else."""
+    name = level.strip().upper()
+    if name == "WARN":
+        name = "WARNING"
+    if name not in LEVELS:
+        raise ValueError(f"log level must be one of {', '.join(LEVELS)}, not {level!r}")
+    return int(logging.getLevelNamesMapping()[name])
+
+
+def configure_logging(
+    level: str = "WARNING", json: bool = True, stream: IO[str] | None = None
+) -> None:
+    """Send structlog events at ``level`` or above to ``stream`` (stderr), as JSON or plain text."""
+    threshold = level_number(level)
+    # Resolved at call time, not as a default argument: tests replace sys.stderr after import.
+    out = sys.stderr if stream is None else stream
+    renderer: Any = (
+        structlog.processors.JSONRenderer(sort_keys=True)
+        if json
+        else structlog.dev.ConsoleRenderer(colors=False)
+    )
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.StackInfoRenderer(),
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+        # The filtering logger drops calls below the threshold before any processor runs, so
+        # the engine's per-effect info events cost almost nothing when they are not wanted.
+        wrapper_class=structlog.make_filtering_bound_logger(threshold),
+        logger_factory=structlog.PrintLoggerFactory(file=out),
+        # Module-level loggers are created at import, before this runs: never cache them, so a
+        # later configure_logging call (another test, a worker reload) still takes effect.
+        cache_logger_on_first_use=False,
+    )

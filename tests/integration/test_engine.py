@@ -1,0 +1,235 @@
+"""Engine behaviour on both backends: commit economy, bad input, keys, ledger integrity."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from sqlalchemy import func, select, text
+
+from ledger.schema import ledger as ledger_table
+from ledger.schema import operations, outbox, transactions
+from ledger.states import EffectState, TxState
+from orchestrator import errors
+from orchestrator.expressions import ref
+from orchestrator.saga import Saga, Step
+from tests.support.sagas import order, order_saga
+from tests.support.world import World
+
+
+async def _row_counts(world: World) -> dict[str, int]:
+    async with world.orch.store.read() as conn:
+        out = {}
+        for table in (transactions, operations, outbox, ledger_table):
+            out[table.name] = (
+                await conn.execute(select(func.count()).select_from(table))
+            ).scalar_one()
+        return out
+
+
+async def test_happy_path_commits_at_most_n_plus_3(world: World) -> None:
+    saga = order_saga()
+    await world.orch.register(saga)
+    before = world.orch.store.stats.snapshot()
+    result = await world.orch.execute(saga, order("42"))
+    assert result.status is TxState.COMMITTED
+    commits = world.orch.store.stats.commits - before.commits
+    statements = world.orch.store.stats.statements - before.statements
+    # 2 steps + 1 outbox event: prepare+claim, record+claim, record+commit+claim, record.
+    assert commits <= 2 + 3
+    assert commits == 4
+    assert statements <= 16
+    assert (await world.shop.counts())["email.send"] == 1
+
+
+async def test_same_tx_id_with_different_payload_is_refused_before_any_call(world: World) -> None:
+    first = await world.orch.execute(order_saga(), order("42", amount=100), tx_id="order-42")
+    assert first.committed
+    calls_before = len(await world.shop.calls())
+    replay = await world.orch.execute(order_saga(), order("42", amount=100), tx_id="order-42")
+    assert replay.tx_id == first.tx_id and replay.committed
+    with pytest.raises(errors.IdempotencyPayloadMismatch) as caught:
+        await world.orch.execute(order_saga(), order("42", amount=1000), tx_id="order-42")
+    assert caught.value.envelope()["error"] == "idempotency_payload_mismatch"
+    assert len(await world.shop.calls()) == calls_before  # the provider was never called
+    assert (await world.shop.counts())["payments.charge"] == 1
+
+
+async def test_tampered_payload_is_parked_not_sent(world: World) -> None:
+    world.orch.crashpoints.arm("prepare.after_commit")
+    from orchestrator.crashpoints import SimulatedCrash
+
+    with pytest.raises(SimulatedCrash):
+        await world.orch.execute(order_saga(), order("42"))
+    await world.orch.abandon()
+    async with world.orch.store.engine.begin() as conn:
+        # Someone edits the stored fingerprint of the pending charge: same key, other payload.
+        await conn.execute(
+            operations.update().where(operations.c.step == "charge").values(payload_sha256="0" * 64)
+        )
+    worker = await world.engine()
+    worker.store.advance_clock(60)
+    await worker.drain(timeout_seconds=5)
+    counts = await world.shop.counts()
+    assert counts["payments.charge"] == 0
+    async with worker.store.read() as conn:
+        status = (await conn.execute(select(transactions.c.status))).scalar_one()
+    assert status == TxState.MANUAL_REVIEW.value
+
+
+async def test_business_key_gives_the_first_outcome(world: World) -> None:
+    first = await world.orch.execute(order_saga(), order("42"))
+    second = await world.orch.execute(order_saga(), order("42"))
+    assert second.tx_id == first.tx_id and second.committed
+    assert (await world.shop.counts())["payments.charge"] == 1
+
+
+async def test_failed_attempt_releases_the_business_key(world: World) -> None:
+    from providers.fake.faults import FaultKind, FaultRule
+
+    world.shop.faults.add(FaultRule(FaultKind.REJECT, provider="payments", action="charge"))
+    first = await world.orch.execute(order_saga(), order("42"))
+    assert first.status is TxState.COMPENSATED
+    second = await world.orch.execute(order_saga(), order("42"))
+    assert second.committed and second.tx_id != first.tx_id
+    counts = await world.shop.counts()
+    assert (counts["payments.charge"], counts["inventory.release"]) == (1, 1)
+
+
+BAD_INPUTS: list[tuple[str, Any, dict[str, Any], type[errors.AgentTxnError]]] = [
+    ("missing field", None, {"order_id": "1", "sku": "sku-1"}, errors.InputInvalid),
+    ("wrong type", None, {"order_id": "1", "sku": "sku-1", "amount": "12"}, errors.InputInvalid),
+    ("below minimum", None, {"order_id": "1", "sku": "sku-1", "amount": 0}, errors.InputInvalid),
+    ("extra field", None, {**order("1"), "x": 1}, errors.InputInvalid),
+    ("not an object", None, ["x"], errors.InputInvalid),
+    ("empty tx id", "", order("1"), errors.IdentifierInvalid),
+    ("blank tx id", "   ", order("1"), errors.IdentifierInvalid),
+    (
+        "blank business key",
+        None,
+        {"order_id": " ", "sku": "sku-1", "amount": 5},
+        errors.IdentifierInvalid,
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("case", "tx_id", "inputs", "error"), BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS]
+)
+async def test_bad_input_is_refused_before_anything_is_written(
+    world: World, case: str, tx_id: Any, inputs: Any, error: type[errors.AgentTxnError]
+) -> None:
+    saga = order_saga()
+    await world.orch.register(saga)
+    if case == "blank business key":
+        saga = Saga(
+            "order_by_sku",
+            inputs={"order_id": str, "sku": str, "amount": int},
+            business_key=ref("inputs.order_id"),
+            steps=saga.steps,
+        )
+    before = await _row_counts(world)
+    with pytest.raises(error) as caught:
+        await world.orch.execute(saga, inputs, tx_id=tx_id)
+    env = caught.value.envelope()
+    assert env["error"] == error.code and set(env) >= {
+        "error",
+        "phase",
+        "message",
+        "retryable",
+        "details",
+    }
+    assert await _row_counts(world) == before
+    assert await world.shop.calls() == []
+
+
+def _saga(**step: Any) -> Saga:
+    base: dict[str, Any] = {
+        "name": "s",
+        "provider": "email",
+        "action": "send",
+        "payload": {"to": "a@b.c", "template": "t"},
+    }
+    base.update(step)
+    return Saga("bad", steps=[Step(**base)])
+
+
+@pytest.mark.parametrize(
+    ("saga", "error"),
+    [
+        (lambda: _saga(provider="nope"), errors.UnknownProviderError),
+        (lambda: _saga(action="nope"), errors.UnknownActionError),
+        (lambda: _saga(name=""), errors.DefinitionInvalid),
+        (lambda: _saga(provider=" "), errors.DefinitionInvalid),
+        (lambda: _saga(payload={"$nope": 1}), errors.DefinitionInvalid),
+        (lambda: _saga(payload={"to": ref("steps.later.remote_id")}), errors.DefinitionInvalid),
+        (lambda: _saga(payload={"x": float("nan")}), errors.DefinitionInvalid),
+        (lambda: Saga("bad", steps=[]), errors.DefinitionInvalid),
+        # charge is reversible: a step that does not say how to refund is refused
+        (
+            lambda: _saga(
+                provider="payments", action="charge", payload={"amount": 1, "currency": "EUR"}
+            ),
+            errors.DefinitionInvalid,
+        ),
+    ],
+)
+async def test_bad_saga_is_refused_at_registration(world: World, saga: Any, error: type) -> None:
+    with pytest.raises(error):
+        await world.orch.register(saga())
+    assert await world.shop.calls() == []
+
+
+async def test_payload_that_is_not_json_is_refused(world: World) -> None:
+    saga = Saga(
+        "obj",
+        inputs={"meta": dict},
+        steps=[
+            Step("s", "email", "send", {"to": "a@b.c", "template": "t", "meta": ref("inputs.meta")})
+        ],
+    )
+    before = await _row_counts(world)
+    with pytest.raises(errors.InputInvalid):
+        await world.orch.execute(saga, {"meta": {"x": float("inf")}})
+    assert await _row_counts(world) == before
+
+
+async def test_ledger_is_append_only_and_tamper_evident(world: World) -> None:
+    result = await world.orch.execute(order_saga(), order("42"))
+    assert await world.orch.verify_ledger() == []
+    with pytest.raises(Exception, match="append-only"):
+        async with world.orch.store.engine.begin() as conn:
+            await conn.execute(ledger_table.update().values(action="forged"))
+    with pytest.raises(Exception, match="append-only"):
+        async with world.orch.store.engine.begin() as conn:
+            await conn.execute(ledger_table.delete())
+    # An attacker with DDL rights drops the triggers and edits a row: verify names it.
+    async with world.orch.store.engine.begin() as conn:
+        if world.orch.store.dialect == "sqlite":
+            await conn.execute(text("DROP TRIGGER ledger_append_only_update"))
+        else:
+            await conn.execute(text("DROP TRIGGER ledger_append_only_update ON ledger"))
+        seq = (
+            await conn.execute(
+                select(ledger_table.c.seq).where(ledger_table.c.to_state == "confirmed").limit(1)
+            )
+        ).scalar_one()
+        await conn.execute(
+            ledger_table.update().where(ledger_table.c.seq == seq).values(to_state="failed")
+        )
+    problems = await world.orch.verify_ledger(result.tx_id)
+    assert any(p.seq == seq and "hash" in p.problem for p in problems)
+    assert any("replay" in p.problem for p in problems)
+
+
+async def test_every_state_change_has_its_ledger_row(world: World) -> None:
+    result = await world.orch.execute(order_saga(), order("42"))
+    view = await world.orch.get(result.tx_id)
+    entries = await world.orch.ledger(result.tx_id)
+    by_subject: dict[str | None, list[str | None]] = {}
+    for e in entries:
+        by_subject.setdefault(e.subject, []).append(e.to_state)
+    assert by_subject[None] == ["prepared", "executing", "validating", "committed"]
+    for op in [*view.operations, *view.outbox]:
+        assert by_subject[op.key] == ["pending", "executing", "confirmed"]
+        assert op.state is EffectState.CONFIRMED

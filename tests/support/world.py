@@ -1,0 +1,52 @@
+"""Test worlds: our engine plus the fake shop, and more engines ("processes") on the same data."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Protocol
+
+from orchestrator.config import EngineSettings
+from orchestrator.engine import Orchestrator
+from providers.fake.shop import FakeShop
+
+
+class Urls(Protocol):
+    """The pair of database URLs a world lives on."""
+
+    store: str
+    provider: str
+
+
+def fast_settings(**overrides: object) -> EngineSettings:
+    """Settings for tests: tiny backoffs, a short execute budget, a unique worker id."""
+    base: dict[str, object] = {
+        "backoff_initial_seconds": 0.005,
+        "backoff_max_seconds": 0.05,
+        "execute_budget_seconds": 2.0,
+        "call_timeout_seconds": 2.0,
+        "lease_seconds": 30.0,
+        "reconcile_attempts": 6,
+        "compensation_attempts": 4,
+        "worker_id": f"test-{uuid.uuid4().hex[:6]}",
+    }
+    base.update(overrides)
+    return EngineSettings.model_validate(base)
+
+
+@dataclass
+class World:
+    """Our store, the fake provider's database, and a way to start more engines on them."""
+
+    urls: Urls
+    shop: FakeShop
+    orch: Orchestrator
+    extra: list[Orchestrator]
+
+    async def engine(self, **settings: object) -> Orchestrator:
+        """Another engine (a "process") on the same databases, sharing the shop."""
+        orch = await Orchestrator.open(
+            self.urls.store, providers=self.shop.providers(), settings=fast_settings(**settings)
+        )
+        self.extra.append(orch)
+        return orch
