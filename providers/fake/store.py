@@ -1,0 +1,283 @@
+"""The fake shop's database access: engines, serialized write transactions, records, reads.
+
+Dialect-specific behaviour is confined here:
+
+* SQLite — WAL, a busy timeout, and ``BEGIN IMMEDIATE`` for every transaction (the pysqlite
+  driver's own deferred BEGIN would let two writers read the same state, then one fail on
+  upgrade). Every write is therefore serialized on the file.
+* PostgreSQL — READ COMMITTED plus ``pg_advisory_xact_lock(hashtext(provider:key))`` taken first
+  in the transaction, so two applies of one key run one after the other and the second sees the
+  first's entry. Business updates are single conditional ``UPDATE`` statements, which PostgreSQL
+  re-checks after waiting on a row lock, so different keys racing for one row stay correct.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import event, func, insert, select, text, update
+from sqlalchemy.engine import URL, Connection, RowMapping, make_url
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+
+from providers.fake import schema
+
+_SQLITE_BUSY_TIMEOUT_MS = 30_000
+# Any fixed number: serializes concurrent create_all on one PostgreSQL database.
+_PG_DDL_LOCK = 774_201_311
+
+
+def canonical_json(value: Any) -> str:
+    """Sorted keys, no spaces, ASCII only, no NaN: equal payloads give equal text."""
+    return json.dumps(
+        value, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False
+    )
+
+
+def sha256_hex(text_value: str) -> str:
+    """Hex SHA-256 of ``text_value`` as UTF-8."""
+    return hashlib.sha256(text_value.encode("utf-8")).hexdigest()
+
+
+def _normalize_url(url: str | URL) -> URL:
+    """Accept plain ``sqlite://`` / ``postgresql://`` URLs and pick the async driver."""
+    parsed = make_url(url)
+    backend = parsed.get_backend_name()
+    if backend == "sqlite":
+        if parsed.database in (None, "", ":memory:"):
+            raise ValueError("the fake shop needs a SQLite file, not an in-memory database")
+        return parsed.set(drivername="sqlite+aiosqlite")
+    if backend == "postgresql":
+        return parsed.set(drivername="postgresql+asyncpg")
+    raise ValueError(f"unsupported database for the fake shop: {backend!r}")
+
+
+def _sqlite_on_connect(dbapi_connection: Any, _record: Any) -> None:
+    # Take transaction control away from the driver so "begin" below decides how BEGIN looks.
+    dbapi_connection.isolation_level = None
+    cursor = dbapi_connection.cursor()
+    try:
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute(f"PRAGMA busy_timeout={_SQLITE_BUSY_TIMEOUT_MS}")
+    finally:
+        cursor.close()
+
+
+def _sqlite_on_begin(connection: Connection) -> None:
+    connection.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+@dataclass(frozen=True, slots=True)
+class EffectRecord:
+    """One row of ``effects``: an applied effect, a void tombstone or a remembered rejection."""
+
+    seq: int
+    provider: str
+    action: str
+    key: str
+    payload: dict[str, Any]
+    payload_sha256: str
+    remote_id: str | None
+    result: dict[str, Any] | None
+    status: str
+    reason: str | None
+    created_at: float
+    forgotten_at: float | None
+
+    @property
+    def qualified_action(self) -> str:
+        """``provider.action``, the form :meth:`FakeShop.counts` uses."""
+        return f"{self.provider}.{self.action}"
+
+
+@dataclass(frozen=True, slots=True)
+class CallRecord:
+    """One row of the ``calls`` request log."""
+
+    seq: int
+    call: str
+    provider: str
+    action: str
+    key: str
+    fence: int | None
+    outcome: str
+    fault: str | None
+    created_effect: bool
+    at: float
+
+
+def effect_from_row(row: RowMapping) -> EffectRecord:
+    """Decode an ``effects`` row (JSON text columns become dicts)."""
+    return EffectRecord(
+        seq=int(row["seq"]),
+        provider=row["provider"],
+        action=row["action"],
+        key=row["key"],
+        payload=json.loads(row["payload"]),
+        payload_sha256=row["payload_sha256"],
+        remote_id=row["remote_id"],
+        result=None if row["result"] is None else json.loads(row["result"]),
+        status=row["status"],
+        reason=row["reason"],
+        created_at=float(row["created_at"]),
+        forgotten_at=None if row["forgotten_at"] is None else float(row["forgotten_at"]),
+    )
+
+
+class Store:
+    """An engine on the shop database plus the few queries the providers share."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+        self.is_postgres = engine.dialect.name == "postgresql"
+
+    @classmethod
+    async def open(cls, url: str | URL) -> Store:
+        """Connect, configure the dialect and create the tables if missing."""
+        parsed = _normalize_url(url)
+        engine = create_async_engine(parsed)
+        if parsed.get_backend_name() == "sqlite":
+            event.listen(engine.sync_engine, "connect", _sqlite_on_connect)
+            event.listen(engine.sync_engine, "begin", _sqlite_on_begin)
+        store = cls(engine)
+        try:
+            async with engine.begin() as conn:
+                if store.is_postgres:
+                    await conn.execute(
+                        text("SELECT pg_advisory_xact_lock(:k)"), {"k": _PG_DDL_LOCK}
+                    )
+                await conn.run_sync(schema.metadata.create_all)
+        except BaseException:
+            await engine.dispose()
+            raise
+        return store
+
+    async def dispose(self) -> None:
+        """Close every pooled connection."""
+        await self.engine.dispose()
+
+    @asynccontextmanager
+    async def write(self, provider: str | None, key: str | None) -> AsyncIterator[AsyncConnection]:
+        """One serialized transaction; with ``key``, applies of that provider key queue up."""
+        async with self.engine.begin() as conn:
+            if self.is_postgres and provider is not None and key is not None:
+                await conn.execute(
+                    text("SELECT pg_advisory_xact_lock(hashtext(:k))"), {"k": f"{provider}:{key}"}
+                )
+            yield conn
+
+    # -- protocol state -------------------------------------------------------------------------
+
+    async def live_entry(
+        self, conn: AsyncConnection, provider: str, key: str
+    ) -> EffectRecord | None:
+        """The entry the idempotency cache still remembers for ``provider`` + ``key``."""
+        e = schema.effects
+        row = (
+            (
+                await conn.execute(
+                    select(e).where(
+                        e.c.provider == provider, e.c.key == key, e.c.forgotten_at.is_(None)
+                    )
+                )
+            )
+            .mappings()
+            .first()
+        )
+        return None if row is None else effect_from_row(row)
+
+    async def forget(self, conn: AsyncConnection, seq: int, now: float) -> None:
+        """Drop an entry from the idempotency cache; the effect row itself stays."""
+        e = schema.effects
+        await conn.execute(update(e).where(e.c.seq == seq).values(forgotten_at=now))
+
+    async def insert_entry(self, conn: AsyncConnection, **values: Any) -> None:
+        """Insert an ``effects`` row (``payload``/``result`` already JSON text)."""
+        await conn.execute(insert(schema.effects).values(**values))
+
+    async def check_fence(
+        self, conn: AsyncConnection, provider: str, key: str, fence: int
+    ) -> int | None:
+        """Record ``fence`` if it is the highest seen; return the higher one if it is stale."""
+        f = schema.fences
+        highest = (
+            await conn.execute(select(f.c.highest).where(f.c.provider == provider, f.c.key == key))
+        ).scalar_one_or_none()
+        if highest is None:
+            await conn.execute(insert(f).values(provider=provider, key=key, highest=fence))
+            return None
+        if fence < highest:
+            return int(highest)
+        if fence > highest:
+            await conn.execute(
+                update(f).where(f.c.provider == provider, f.c.key == key).values(highest=fence)
+            )
+        return None
+
+    async def log_call(self, conn: AsyncConnection, **values: Any) -> None:
+        """Append to the ``calls`` request log."""
+        await conn.execute(insert(schema.calls).values(**values))
+
+    # -- reads ----------------------------------------------------------------------------------
+
+    async def applied_counts(self) -> dict[tuple[str, str], int]:
+        """Applied effects per (provider, action), forgotten entries included."""
+        e = schema.effects
+        query = (
+            select(e.c.provider, e.c.action, func.count())
+            .where(e.c.status == "applied")
+            .group_by(e.c.provider, e.c.action)
+        )
+        async with self.engine.connect() as conn:
+            rows = (await conn.execute(query)).all()
+        return {(row[0], row[1]): int(row[2]) for row in rows}
+
+    async def effects(self, provider: str | None, action: str | None) -> list[EffectRecord]:
+        """Every ``effects`` row, oldest first, optionally for one provider / action."""
+        e = schema.effects
+        query = select(e).order_by(e.c.seq)
+        if provider is not None:
+            query = query.where(e.c.provider == provider)
+        if action is not None:
+            query = query.where(e.c.action == action)
+        async with self.engine.connect() as conn:
+            rows = (await conn.execute(query)).mappings().all()
+        return [effect_from_row(row) for row in rows]
+
+    async def calls(self, key: str | None) -> list[CallRecord]:
+        """The request log, oldest first, optionally for one key."""
+        c = schema.calls
+        query = select(c).order_by(c.c.seq)
+        if key is not None:
+            query = query.where(c.c.key == key)
+        async with self.engine.connect() as conn:
+            rows = (await conn.execute(query)).mappings().all()
+        return [
+            CallRecord(
+                seq=int(r["seq"]),
+                call=r["call"],
+                provider=r["provider"],
+                action=r["action"],
+                key=r["key"],
+                fence=None if r["fence"] is None else int(r["fence"]),
+                outcome=r["outcome"],
+                fault=r["fault"],
+                created_effect=bool(r["created_effect"]),
+                at=float(r["at"]),
+            )
+            for r in rows
+        ]
+
+    async def rows(self, table_name: str) -> list[dict[str, Any]]:
+        """Every row of a business table, in primary-key order (for assertions)."""
+        table = schema.metadata.tables[table_name]
+        query = select(table).order_by(*table.primary_key.columns)
+        async with self.engine.connect() as conn:
+            return [dict(row) for row in (await conn.execute(query)).mappings().all()]
+
+
+__all__ = ["CallRecord", "EffectRecord", "Store", "canonical_json", "sha256_hex"]
