@@ -101,7 +101,7 @@ async def decide(
         "key": claim.key,
     }
     bound = log.bind(tx_id=claim.tx_id, op_key=claim.key, step=claim.name, fence=claim.fence)
-    if claim.attempts > budget.attempts:
+    if claim.attempts > budget.attempts + 1:
         # A probe that keeps dying (the holder crashed mid-call every time) must not loop.
         return Decision(
             EffectState.MANUAL_REVIEW,
@@ -111,13 +111,22 @@ async def decide(
         )
     lookups = 0
     evidence: dict[str, Any] = {}
+    expired = _outside_dedup_window(contract, claim, claimed_at_ms)
+    # The last chance to decide: a budget spent or a dedup window gone. If the provider can void
+    # a key it never saw, ask it to, so a late original still in flight is refused (no hanging
+    # effect) and "not found" becomes proof that it never will happen.
+    final = budget.exhausted(claim.attempts) or expired
+    void = final and contract.supports_void
     if claim.maybe_sent:
         if contract.supports_lookup:
             crashpoints.hit("effect.before_lookup", **ctx)
             lookups += 1
             try:
                 answer = await _bounded(
-                    provider.lookup(claim.action, key=claim.key, payload=payload), call_timeout
+                    provider.lookup(
+                        claim.action, key=claim.key, payload=payload, void_if_missing=void
+                    ),
+                    call_timeout,
                 )
             except (TimeoutError, Exception) as exc:  # any failure to answer is "unavailable"
                 answer = Unavailable(type(exc).__name__)
@@ -155,6 +164,14 @@ async def decide(
             assert isinstance(answer, NotFound)
             evidence["lookup"] = "not_found"
             evidence["voided"] = answer.voided
+            if void and answer.voided:
+                return Decision(
+                    EffectState.FAILED,
+                    "lookup",
+                    error="voided",
+                    lookups=lookups,
+                    detail={**evidence, "reason": "never applied; the key is now void"},
+                )
             if not contract.lookup_authoritative:
                 return Decision(
                     EffectState.MANUAL_REVIEW,
@@ -171,7 +188,7 @@ async def decide(
                 error="no_lookup_no_dedup",
                 detail={"reason": "provider can neither look up nor dedup this action"},
             )
-        if _outside_dedup_window(contract, claim, claimed_at_ms):
+        if expired:
             return Decision(
                 EffectState.MANUAL_REVIEW,
                 "park",

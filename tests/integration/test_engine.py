@@ -233,3 +233,30 @@ async def test_every_state_change_has_its_ledger_row(world: World) -> None:
     for op in [*view.operations, *view.outbox]:
         assert by_subject[op.key] == ["pending", "executing", "confirmed"]
         assert op.state is EffectState.CONFIRMED
+
+
+async def test_final_lookup_voids_a_key_the_provider_never_saw(world: World) -> None:
+    from providers.contract import Rejected
+    from providers.fake.faults import FaultKind, FaultRule
+
+    # Every charge attempt fails before the effect: the op stays in doubt until its budget is
+    # spent; the last lookup voids the key, which proves it never happened and never will.
+    world.shop.faults.add(
+        FaultRule(FaultKind.FAIL_BEFORE, provider="payments", action="charge", times=None)
+    )
+    result = await world.orch.execute(order_saga(), order("42"), budget_seconds=10)
+    await world.orch.drain(timeout_seconds=10)
+    final = await world.orch.result(result.tx_id)
+    assert final.status is TxState.COMPENSATED
+    counts = await world.shop.counts()
+    assert (counts["payments.charge"], counts["inventory.release"]) == (0, 1)
+
+    view = await world.orch.get(result.tx_id)
+    charge = next(o for o in view.operations if o.name == "charge")
+    assert charge.state is EffectState.FAILED and charge.last_error == "voided"
+    world.shop.faults.clear()
+    late = await world.shop.payments.apply(
+        "charge", key=charge.key, payload=charge.payload, fence=1
+    )
+    assert isinstance(late, Rejected) and late.reason == "voided"  # the late original is refused
+    assert (await world.shop.counts())["payments.charge"] == 0

@@ -1,0 +1,150 @@
+"""The suite's test bench: our database, the fake provider's own database, and engines on them.
+
+An engine here stands for one process. ``crash`` abandons it without cleanup (its leases stay
+held until they expire, exactly as after a real death); ``recover`` starts fresh engines whose
+clocks run past the dead holder's leases and drains them concurrently.
+
+:func:`fresh_databases` makes the pair of databases a run works on: two SQLite files in a work
+folder, or two new databases on the PostgreSQL server a ``--db`` URL names (dropped after).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Collection, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import text
+from sqlalchemy.engine import make_url
+from sqlalchemy.ext.asyncio import create_async_engine
+
+from fault_injection.invariants import CheckReport, check_invariants
+from fault_injection.sagas import STOCK
+from ledger.dialects import dialect_of, normalize_url
+from orchestrator.config import EngineSettings
+from orchestrator.engine import Orchestrator
+from providers.fake.faults import FaultPlan
+from providers.fake.shop import FakeShop
+
+#: Fast settings: tiny backoffs so a schedule settles in milliseconds, small budgets so the
+#: manual-review paths are reached.
+SUITE_SETTINGS: Mapping[str, Any] = {
+    "backoff_initial_seconds": 0.002,
+    "backoff_max_seconds": 0.02,
+    "execute_budget_seconds": 0.5,
+    "call_timeout_seconds": 1.0,
+    "lease_seconds": 30.0,
+    "reconcile_attempts": 6,
+    "compensation_attempts": 4,
+}
+
+
+def suite_settings(**overrides: Any) -> EngineSettings:
+    """Engine settings for one suite "process" (a unique worker id each)."""
+    values = {**SUITE_SETTINGS, "worker_id": f"fi-{uuid.uuid4().hex[:8]}", **overrides}
+    return EngineSettings.model_validate(values)
+
+
+@dataclass(frozen=True)
+class DatabasePair:
+    """Our database and the provider's."""
+
+    store: str
+    provider: str
+    backend: str
+
+
+@asynccontextmanager
+async def fresh_databases(db: str | None, workdir: Path) -> AsyncIterator[DatabasePair]:
+    """A new, empty pair of databases for one run (SQLite files, or PostgreSQL databases)."""
+    if db is None or dialect_of(normalize_url(db)) == "sqlite":
+        base = workdir / uuid.uuid4().hex[:8]
+        base.mkdir(parents=True, exist_ok=True)
+        yield DatabasePair(
+            f"sqlite+aiosqlite:///{base / 'agent.db'}",
+            f"sqlite+aiosqlite:///{base / 'provider.db'}",
+            "sqlite",
+        )
+        return
+    server = make_url(normalize_url(db))
+    names = [f"agt_fi_{uuid.uuid4().hex[:10]}", ""]
+    names[1] = names[0] + "_provider"
+    admin = create_async_engine(server, isolation_level="AUTOCOMMIT")
+    try:
+        async with admin.connect() as conn:
+            for name in names:
+                await conn.execute(text(f'CREATE DATABASE "{name}"'))
+        yield DatabasePair(
+            server.set(database=names[0]).render_as_string(hide_password=False),
+            server.set(database=names[1]).render_as_string(hide_password=False),
+            "postgres",
+        )
+    finally:
+        async with admin.connect() as conn:
+            for name in names:
+                await conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        await admin.dispose()
+
+
+@dataclass
+class Harness:
+    """One run's world: the shop, the engines, and the invariant checker over both databases."""
+
+    dbs: DatabasePair
+    shop: FakeShop
+    engines: list[Orchestrator] = field(default_factory=list)
+
+    @classmethod
+    async def open(cls, dbs: DatabasePair, *, faults: FaultPlan | None = None) -> Harness:
+        """Open the shop (stocked) on the provider database."""
+        shop = await FakeShop.open(dbs.provider, faults=faults)
+        await shop.seed_stock(STOCK)
+        return cls(dbs, shop)
+
+    async def engine(self, **overrides: Any) -> Orchestrator:
+        """A fresh engine ("process") on our database."""
+        orch = await Orchestrator.open(
+            self.dbs.store, providers=self.shop.providers(), settings=suite_settings(**overrides)
+        )
+        self.engines.append(orch)
+        return orch
+
+    async def crash(self, orch: Orchestrator) -> None:
+        """Abandon ``orch`` as a dead process: no lease is released, nothing more is written."""
+        await orch.abandon()
+        if orch in self.engines:
+            self.engines.remove(orch)
+
+    async def recover(
+        self, *, workers: int = 1, timeout_seconds: float = 30.0, advance_seconds: float = 31.0
+    ) -> list[Orchestrator]:
+        """Fresh engines, clocks past every dead lease, draining concurrently until idle."""
+        fresh = [await self.engine() for _ in range(workers)]
+        for orch in fresh:
+            orch.store.advance_clock(advance_seconds)
+        await asyncio.gather(*(o.drain(timeout_seconds=timeout_seconds) for o in fresh))
+        return fresh
+
+    async def check(
+        self, tx_ids: Collection[str] | None = None, *, require_settled: bool = True
+    ) -> CheckReport:
+        """Every invariant, read from both databases."""
+        return await check_invariants(
+            self.dbs.store, self.dbs.provider, tx_ids=tx_ids, require_settled=require_settled
+        )
+
+    async def close(self) -> None:
+        """Close every engine and the shop."""
+        for orch in self.engines:
+            await orch.close()
+        self.engines.clear()
+        await self.shop.close()
+
+
+def tx_ids_of(*results: Any) -> list[str]:
+    """The tx ids of saga results (for scoping a check)."""
+    return [r.tx_id for r in results]
