@@ -31,6 +31,8 @@ READ_ONLY_OPTION = "agent_txn_read_only"
 
 _PG_BUSY_CODES = frozenset({"40001", "40P01", "55P03"})  # serialization, deadlock, lock timeout
 _PG_UNIQUE = "23505"
+#: connection exception, invalid catalog (no such database), invalid authorization
+_PG_UNREACHABLE_CLASSES = frozenset({"08", "3D", "28"})
 
 
 def dialect_of(url: str) -> Dialect:
@@ -142,6 +144,10 @@ def translate(exc: BaseException) -> StorageError | None:
         return None
     if isinstance(exc, (ConnectionError, OSError)):
         return StoreUnavailable("database unreachable")
+    # asyncpg raises some server errors while connecting without SQLAlchemy wrapping them.
+    sqlstate = str(getattr(exc, "sqlstate", "") or "")
+    if sqlstate[:2] in _PG_UNREACHABLE_CLASSES or sqlstate.startswith("57P"):
+        return StoreUnavailable(f"database refused the connection ({sqlstate})")
     return None
 
 

@@ -19,12 +19,23 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from sqlalchemy import ColumnElement, Table, and_, case, func, literal, or_, select, update
+from sqlalchemy import (
+    ColumnElement,
+    Table,
+    and_,
+    case,
+    exists,
+    func,
+    literal,
+    or_,
+    select,
+    update,
+)
 from sqlalchemy.engine import Row
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ledger.errors import LeaseLost
-from ledger.schema import Json, compensation_steps, operations, outbox
+from ledger.schema import Json, compensation_steps, operations, outbox, transactions
 from ledger.states import CLAIMABLE, MAYBE_SENT, EffectState, check_effect_transition
 from ledger.store import Chain, Work
 
@@ -291,8 +302,12 @@ async def claim(
     payload: Any = None,
     payload_sha256: str | None = None,
     due_only: bool = True,
+    tx_fence: int | None = None,
 ) -> Claim | None:
     """Compare-and-set claim; ``None`` when the row is not claimable (owned, terminal, not due).
+
+    With ``tx_fence`` the claim also requires the transaction's lease to still carry that
+    fence: a driver that lost the transaction to another holder cannot start a new effect.
 
     A payload given here is stored only if the row has none yet: the first rendering is frozen,
     and the caller compares the returned ``payload_sha256`` with its own before any apply.
@@ -326,6 +341,10 @@ async def claim(
     ]
     if due_only:
         conditions.append(or_(table.c.next_attempt_at.is_(None), table.c.next_attempt_at <= now))
+    if tx_fence is not None:
+        conditions.append(
+            exists().where(transactions.c.tx_id == table.c.tx_id, transactions.c.fence == tx_fence)
+        )
     stmt = update(table).where(and_(*conditions)).values(values).returning(*table.c)
     row = (await work.conn.execute(stmt)).first()
     if row is None:

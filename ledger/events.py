@@ -146,6 +146,13 @@ async def verify(conn: AsyncConnection, tx_id: str | None = None) -> list[Ledger
     problems: list[LedgerProblem] = []
     for tid in ids:
         entries = await read(conn, tid)
+        if tx_id is not None and not entries:
+            exists = await conn.execute(
+                select(transactions.c.tx_id).where(transactions.c.tx_id == tid)
+            )
+            if exists.first() is None:
+                problems.append(LedgerProblem(tid, None, "no such transaction"))
+                continue
         problems.extend(check_chain(entries))
         replayed = replay(entries)
         current = await current_states(conn, tid)

@@ -20,9 +20,12 @@ from pathlib import Path
 from typing import Annotated, Any, Final, NoReturn, TypeVar
 
 import typer
+from rich import box
 from rich.console import Console
 from rich.markup import escape
+from rich.padding import Padding
 from rich.table import Table
+from rich.text import Text
 from sqlalchemy import func, select
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError
@@ -52,6 +55,8 @@ LOG_LEVEL_ENV: Final = "AGENT_TXN_LOG_LEVEL"
 #: problem", as with grep and diff.
 EXIT_USAGE: Final = 2
 EXIT_PROBLEM: Final = 1
+#: Below this many columns ``ledger show`` puts each row's detail on a line of its own.
+WIDE_TABLE: Final = 130
 
 app = typer.Typer(
     name="agent-txn",
@@ -90,8 +95,9 @@ def _stdout() -> Console:
     # Built per call, not at import: test runners swap sys.stdout after this module is loaded.
     console = Console(highlight=False)
     if not console.is_terminal and "COLUMNS" not in os.environ:
-        # Piped into a file or CI log, rich would wrap at 80 columns and split remote ids.
-        console = Console(highlight=False, width=120)
+        # Piped into a file or CI log, rich would wrap at 80 columns and split remote ids
+        # and ledger details; a log has no edge to fit.
+        console = Console(highlight=False, width=140)
     return console
 
 
@@ -125,12 +131,23 @@ def _run(job: Coroutine[Any, Any, T]) -> T:
     except StorageError as exc:
         _fail(f"{type(exc).__name__}: {exc}")
     except Exception as exc:
-        # Raw driver errors from paths that do not go through the store (``db upgrade``):
-        # translate what we recognise, let real bugs keep their traceback.
-        translated = dialects.translate(exc)
-        if translated is None:
-            raise
-        _fail(f"{type(translated).__name__}: {translated}")
+        message = _driver_message(exc)
+        if message is None:
+            raise  # a real bug keeps its traceback
+        _fail(message)
+
+
+def _driver_message(exc: Exception) -> str | None:
+    """One line for a raw driver error, or ``None`` when ``exc`` is not one."""
+    # ``db upgrade`` talks to the engine without the store, so nothing translated its errors.
+    translated = dialects.translate(exc)
+    if translated is not None:
+        return f"{type(translated).__name__}: {translated}"
+    # asyncpg raises its server errors unwrapped while connecting (unknown database, bad
+    # password); the server's text names the problem and holds no row data.
+    if type(exc).__module__.partition(".")[0] == "asyncpg":
+        return f"PostgreSQL: {exc} ({type(exc).__name__})"
+    return None
 
 
 def _checked_url(url: str, option: str = "--db") -> str:
@@ -316,7 +333,7 @@ async def _show(url: str, tx_id: str, as_json: bool) -> None:
         await orch.close()
     out = _stdout()
     if as_json:
-        rows = [
+        records = [
             {
                 "seq": e.seq,
                 "time": utc_iso(e.created_at),
@@ -330,7 +347,7 @@ async def _show(url: str, tx_id: str, as_json: bool) -> None:
             for e in entries
         ]
         # Plain print, not rich: the output is for machines and must not be wrapped.
-        print(json.dumps(rows, sort_keys=True, ensure_ascii=False))
+        print(json.dumps(records, sort_keys=True, ensure_ascii=False))
         return
     tx = view.tx
     business = f" · {tx.business_key}" if tx.business_key else ""
@@ -339,26 +356,40 @@ async def _show(url: str, tx_id: str, as_json: bool) -> None:
         f"{tx.status.value} · {len(entries)} ledger rows"
     )
     labels = subject_labels(view)
-    table = Table(show_lines=False, pad_edge=False)
-    table.add_column("seq", justify="right", no_wrap=True)
-    table.add_column("time (UTC)", no_wrap=True)
-    table.add_column("subject", no_wrap=True)
-    table.add_column("action", no_wrap=True)
-    table.add_column("from → to", no_wrap=True)
-    table.add_column("detail", overflow="fold")
-    for e in entries:
-        subject = labels.get(e.subject, "?")
-        if e.subject is not None:
-            subject = f"{subject} {e.subject[:8]}"
-        table.add_row(
+    rows = [
+        (
             str(e.seq),
             utc_iso(e.created_at),
-            escape(subject),
-            escape(e.action),
-            escape(transition(e)),
-            escape(compact_json(e.detail)),
+            _subject(labels, e.subject),
+            e.action,
+            transition(e),
+            compact_json(e.detail),
         )
-    out.print(table)
+        for e in entries
+    ]
+    if out.width >= WIDE_TABLE:
+        table = Table(box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+        for name in ("seq", "time (UTC)", "subject", "action", "from → to"):
+            table.add_column(name, no_wrap=True, justify="right" if name == "seq" else "left")
+        table.add_column("detail", overflow="fold")
+        for row in rows:
+            table.add_row(*(escape(cell) for cell in row))
+        out.print(table)
+        return
+    # Too narrow for six columns: the detail (the evidence) would shrink to nothing, so each
+    # row becomes a line, with its detail on an indented line of its own.
+    for seq, time, subject, action, change, detail in rows:
+        out.print(
+            f"{seq:>4}  {time}  [bold]{escape(subject)}[/]  {escape(action)}  {escape(change)}"
+        )
+        out.print(Padding(Text(detail, style="dim", overflow="fold"), (0, 0, 0, 6)))
+
+
+def _subject(labels: dict[str | None, str], subject: str | None) -> str:
+    """``charge 7f1dc7ee`` for an effect (name and short key), ``saga`` for the transaction."""
+    if subject is None:
+        return labels[None]
+    return f"{labels.get(subject, '?')} {subject[:8]}"
 
 
 @ledger_app.command("show")

@@ -100,7 +100,10 @@ def order_saga() -> Saga:
                 },
                 compensation=Compensation(
                     "refund",
-                    {"charge_id": ref("forward.remote_id"), "amount": ref("forward.payload.amount")},
+                    {
+                        "charge_id": ref("forward.remote_id"),
+                        "amount": ref("forward.payload.amount"),
+                    },
                 ),
             ),
         ],
@@ -239,7 +242,9 @@ async def run_demo(
     shop = await FakeShop.open(provider_url)
     try:
         await shop.seed_stock({SKU: STOCK})
-        orch = await Orchestrator.open(store_url, providers=shop.providers(), settings=DEMO_SETTINGS)
+        orch = await Orchestrator.open(
+            store_url, providers=shop.providers(), settings=DEMO_SETTINGS
+        )
         try:
             await _require_empty(orch)
             saga = order_saga()
@@ -369,7 +374,9 @@ def key_facts(entry: LedgerEntry) -> str:
     elif entry.action == "claim":
         facts.append(f"attempt {d.get('attempt', '?')}, fence {d.get('fence', '?')}")
     if "lookup" in d:
-        facts.append(f"lookup {d['lookup']}" + (f": {d['remote_id']}" if d.get("remote_id") else ""))
+        facts.append(
+            f"lookup {d['lookup']}" + (f": {d['remote_id']}" if d.get("remote_id") else "")
+        )
     if entry.to_state == "unknown":
         facts.append(f"outcome unknown ({d.get('reason', d.get('error', '?'))})")
     elif entry.to_state == "failed" and entry.subject is not None:

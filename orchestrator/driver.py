@@ -11,6 +11,9 @@ record+commit+outbox claim, outbox record.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -28,6 +31,7 @@ from compensation.policy import (
 from ledger import effects, transactions
 from ledger.canonical import NotCanonicalizable, fingerprint
 from ledger.effects import Claim, Effect, EffectKind
+from ledger.errors import LeaseLost, StorageError
 from ledger.states import TX_TERMINAL, EffectState, TxState
 from ledger.store import Chain, Store, Work
 from ledger.transactions import TxClaim
@@ -76,6 +80,7 @@ class SagaRun:
     paused_on: Effect | None = None
     retry_hint_ms: int | None = None
     _milestones: list[str] = field(default_factory=list)
+    _lease_renewed_at: float = field(default_factory=time.monotonic)
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -92,6 +97,7 @@ class SagaRun:
             else:
                 decision = await self._decide(claim)
                 async with store.transaction() as work:
+                    await self._keep_lease(work)
                     await self._record(work, claim, decision)
                     if decision.in_doubt:
                         # Never re-claim in the same breath: the backoff is the point.
@@ -104,6 +110,16 @@ class SagaRun:
             self._after_commit_milestones()
             if claim is None:
                 return
+
+    async def _keep_lease(self, work: Work) -> None:
+        """Renew the transaction lease in passing once half of it is gone (long sagas only)."""
+        if self.txc.status in TX_TERMINAL:
+            return
+        now = time.monotonic()
+        if now - self._lease_renewed_at < self.services.settings.lease_seconds / 2:
+            return
+        await transactions.renew(work, self.txc, lease_ms=self.services.settings.lease_ms)
+        self._lease_renewed_at = now
 
     def _ctx_of(self, claim: Claim | None, decision: Decision) -> dict[str, Any]:
         return {
@@ -131,7 +147,7 @@ class SagaRun:
         budget = RetryBudget(
             attempts, settings.backoff_initial_seconds, settings.backoff_max_seconds
         )
-        return await decide(
+        call = decide(
             provider,
             contract,
             claim,
@@ -141,6 +157,33 @@ class SagaRun:
             claimed_at_ms=claim.claimed_at_ms,
             crashpoints=self.services.crashpoints,
         )
+        if settings.call_timeout_seconds * 2 < settings.lease_seconds:
+            return await call  # the call always ends well inside the lease: no heartbeat needed
+        heartbeat = asyncio.create_task(self._heartbeat(claim))
+        try:
+            return await call
+        finally:
+            heartbeat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await heartbeat
+
+    async def _heartbeat(self, claim: Claim) -> None:
+        """Renew the effect's and the transaction's leases while a slow call is in flight."""
+        settings = self.services.settings
+        while True:
+            await asyncio.sleep(settings.lease_seconds / 3)
+            try:
+                async with self.services.store.transaction() as work:
+                    await effects.renew(work, claim, lease_ms=settings.lease_ms)
+                    if self.txc.status not in TX_TERMINAL:
+                        await transactions.renew(work, self.txc, lease_ms=settings.lease_ms)
+            except LeaseLost:
+                log.warning(
+                    "lease lost while a call was in flight", tx_id=self.tx_id, op_key=claim.key
+                )
+                return  # the record will be refused by its fence; nothing else to do
+            except StorageError as exc:
+                log.warning("heartbeat failed", tx_id=self.tx_id, error=type(exc).__name__)
 
     async def _record(self, work: Work, claim: Claim, decision: Decision) -> None:
         retry_in: int | None = None
@@ -285,7 +328,9 @@ class SagaRun:
                         work,
                         claim,
                         Decision(
-                            EffectState.FAILED, "render", error="payload_render_failed",
+                            EffectState.FAILED,
+                            "render",
+                            error="payload_render_failed",
                             detail={"code": getattr(exc, "code", "not_json")},
                         ),
                     )
@@ -315,12 +360,18 @@ class SagaRun:
             payload=payload[0] if payload else None,
             payload_sha256=payload[1] if payload else None,
             due_only=not eager,
+            tx_fence=self.txc.fence,
         )
         if claim is None:
             return None
         self._replace(
-            e.kind, e.key, state=EffectState.EXECUTING, fence=claim.fence,
-            attempts=claim.attempts, payload=claim.payload, payload_sha256=claim.payload_sha256,
+            e.kind,
+            e.key,
+            state=EffectState.EXECUTING,
+            fence=claim.fence,
+            attempts=claim.attempts,
+            payload=claim.payload,
+            payload_sha256=claim.payload_sha256,
         )
         stored_ok = _fingerprint_or_none(claim.payload) == claim.payload_sha256
         if not stored_ok or (payload is not None and claim.payload_sha256 != payload[1]):
@@ -329,7 +380,9 @@ class SagaRun:
                 work,
                 claim,
                 Decision(
-                    EffectState.MANUAL_REVIEW, "park", error="idempotency_payload_mismatch",
+                    EffectState.MANUAL_REVIEW,
+                    "park",
+                    error="idempotency_payload_mismatch",
                     detail={"reason": REASON_PAYLOAD},
                 ),
             )

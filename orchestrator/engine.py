@@ -118,6 +118,12 @@ class Orchestrator:
     ) -> Orchestrator:
         """Connect to ``url`` (SQLite or PostgreSQL), check or create the schema."""
         settings = settings or EngineSettings()
+        if not structlog.is_configured():
+            # A library must not print info lines on the host's stdout: warnings to stderr,
+            # unless the application configured structlog itself.
+            from orchestrator.logging import configure_logging
+
+            configure_logging()
         try:
             store = await Store.open(
                 url,
@@ -128,7 +134,7 @@ class Orchestrator:
         except SchemaOutdated as exc:
             raise SchemaOutdatedError(str(exc)) from exc
         except StorageError as exc:
-            raise StoreUnavailableError() from exc
+            raise StoreUnavailableError(f"The database is unavailable: {exc}") from exc
         orch = cls(store, settings=settings, crashpoints=crashpoints)
         for p in providers:
             orch.register_provider(p)

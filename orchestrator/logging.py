@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import IO, Any, Final
+from typing import Any, Final, TextIO
 
 import structlog
 
@@ -31,12 +31,13 @@ def level_number(level: str) -> int:
 
 
 def configure_logging(
-    level: str = "WARNING", json: bool = True, stream: IO[str] | None = None
+    level: str = "WARNING", json: bool = True, stream: TextIO | None = None
 ) -> None:
     """Send structlog events at ``level`` or above to ``stream`` (stderr), as JSON or plain text."""
     threshold = level_number(level)
-    # Resolved at call time, not as a default argument: tests replace sys.stderr after import.
-    out = sys.stderr if stream is None else stream
+    # Without an explicit stream, write to whatever sys.stderr is at each event: test runners
+    # and daemonizers replace it, and a stream captured once may be closed later.
+    out: Any = _CurrentStderr() if stream is None else stream
     renderer: Any = (
         structlog.processors.JSONRenderer(sort_keys=True)
         if json
@@ -59,3 +60,13 @@ def configure_logging(
         # later configure_logging call (another test, a worker reload) still takes effect.
         cache_logger_on_first_use=False,
     )
+
+
+class _CurrentStderr:
+    """A file-like object that forwards to the current ``sys.stderr``."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()

@@ -245,7 +245,9 @@ def _create_append_only_triggers() -> None:
         op.execute(
             "CREATE FUNCTION ledger_append_only() RETURNS trigger LANGUAGE plpgsql AS $$\n"
             "BEGIN\n"
-            f"    RAISE EXCEPTION '{_APPEND_ONLY}';\n"
+            # SQLSTATE 23001 (restrict_violation): an integrity error, as SQLite's RAISE(ABORT)
+            # is, so drivers map both backends' refusal to the same IntegrityError.
+            f"    RAISE EXCEPTION '{_APPEND_ONLY}' USING ERRCODE = 'restrict_violation';\n"
             "END;\n"
             "$$"
         )

@@ -1,0 +1,329 @@
+"""The ``agent-txn`` CLI end to end, in a subprocess, as a user would run it.
+
+The demo runs once per module on SQLite (``--dir``); the ledger and db commands then work on the
+databases it left behind. One more demo run per backend (SQLite via ``--dir``, PostgreSQL via
+``--db`` / ``--provider-db``) proves the same seed outcome on both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import os
+import shutil
+import sqlite3
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import structlog
+from rich.console import Console
+
+from orchestrator.demo import run_demo
+from orchestrator.logging import configure_logging
+from tests.conftest import DbUrls
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class Run:
+    """One finished CLI invocation."""
+
+    code: int
+    out: str
+    err: str
+
+    def line(self, needle: str) -> str:
+        """The first stdout line containing ``needle``."""
+        for line in self.out.splitlines():
+            if needle in line:
+                return line
+        raise AssertionError(f"no line with {needle!r} in:\n{self.out}")
+
+
+def cli(*args: str, cwd: Path) -> Run:
+    """Run ``python -m orchestrator.cli *args`` and capture everything."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AGENT_TXN_")}
+    env.pop("COLUMNS", None)  # the CLI picks a wide layout for pipes; keep it deterministic
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    done = subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=90,
+        check=False,
+    )
+    return Run(done.returncode, done.stdout, done.stderr)
+
+
+def assert_clean_failure(run: Run, code: int = 2) -> None:
+    """Exit ``code`` with a one-line ``error:`` on stderr and no traceback."""
+    assert run.code == code, (run.out, run.err)
+    assert "Traceback" not in run.err
+    assert run.err.startswith("error: "), run.err
+    assert len(run.err.strip().splitlines()) == 1, run.err
+
+
+def assert_demo_outcome(run: Run) -> None:
+    """The seed's outcome: one charge despite the lost response, release for the rejection."""
+    assert run.code == 0, (run.out, run.err)
+    assert "Traceback" not in run.err
+    happy = run.line("provider effects for order-41")
+    assert happy.startswith("PASS") and "reserve=1 charge=1 email=1" in happy
+    lost = run.line("provider effects for order-42")
+    assert lost.startswith("PASS") and "reserve=1 charge=1 email=1" in lost
+    rejected = run.line("provider effects for order-43")
+    assert rejected.startswith("PASS")
+    assert "reserve=1 release=1 charge=0 email=0" in rejected
+    assert "outcome unknown (ResponseLost)" in run.out
+    assert "lookup found: ch_" in run.out
+    assert "committed" in run.line("order-42 ·") and "compensated" in run.line("order-43 ·")
+    totals = run.line("provider totals")
+    assert "reserve=3 release=1 charge=2 refund=0 email=2" in totals
+    assert "ledger OK: 3 transactions" in run.out
+    # The engine's info logs go to stderr and are filtered at WARNING: none on stdout.
+    assert '"event"' not in run.out and "[info" not in run.out
+
+
+def tx_of(db: Path, order_id: str) -> str:
+    """The transaction id of a demo order, read straight from our database."""
+    with sqlite3.connect(db) as conn:
+        row = conn.execute(
+            "SELECT tx_id FROM transactions WHERE business_key = ?", (f"order:{order_id}",)
+        ).fetchone()
+    assert row is not None, order_id
+    return str(row[0])
+
+
+@pytest.fixture(scope="module")
+def demo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory the SQLite demo ran in (twice: the second run must start fresh)."""
+    base = tmp_path_factory.mktemp("demo")
+    first = cli("demo", "--dir", str(base / "demo"), cwd=base)
+    assert_demo_outcome(first)
+    again = cli("demo", "--dir", str(base / "demo"), cwd=base)
+    assert_demo_outcome(again)
+    return base / "demo"
+
+
+@pytest.fixture
+def store(demo_dir: Path) -> str:
+    return f"sqlite+aiosqlite:///{demo_dir / 'agent.db'}"
+
+
+def test_demo_leaves_two_databases(demo_dir: Path) -> None:
+    assert (demo_dir / "agent.db").exists()
+    assert (demo_dir / "provider.db").exists()
+    # Reproducible: the second run replaced the first one's files rather than adding to them.
+    with sqlite3.connect(demo_dir / "agent.db") as conn:
+        assert conn.execute("SELECT count(*) FROM transactions").fetchone() == (3,)
+
+
+def test_ledger_verify_ok(store: str, tmp_path: Path) -> None:
+    run = cli("ledger", "verify", "--db", store, cwd=tmp_path)
+    assert run.code == 0, run.err
+    assert "ledger OK: 3 transactions" in run.out
+
+
+def test_ledger_verify_one_transaction(store: str, demo_dir: Path, tmp_path: Path) -> None:
+    tx = tx_of(demo_dir / "agent.db", "order-43")
+    run = cli("ledger", "verify", "--db", store, "--tx", tx, cwd=tmp_path)
+    assert run.code == 0, run.err
+    assert "ledger OK: 1 transactions" in run.out
+
+
+def test_ledger_verify_reads_the_environment(store: str, tmp_path: Path) -> None:
+    env_run = subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli", "ledger", "verify"],
+        cwd=tmp_path,
+        env={**os.environ, "AGENT_TXN_DB": store},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert env_run.returncode == 0, env_run.stderr
+    assert "ledger OK: 3 transactions" in env_run.stdout
+
+
+def test_ledger_show_lost_response_order(store: str, demo_dir: Path, tmp_path: Path) -> None:
+    tx = tx_of(demo_dir / "agent.db", "order-42")
+    run = cli("ledger", "show", tx, "--db", store, cwd=tmp_path)
+    assert run.code == 0, run.err
+    assert tx in run.out and "order:order-42" in run.out
+    assert "executing → unknown" in run.out
+    assert "unknown → executing" in run.out
+    assert "lookup" in run.out and "validating → committed" in run.out
+
+
+def test_ledger_show_json(store: str, demo_dir: Path, tmp_path: Path) -> None:
+    tx = tx_of(demo_dir / "agent.db", "order-42")
+    run = cli("ledger", "show", tx, "--db", store, "--json", cwd=tmp_path)
+    assert run.code == 0, run.err
+    rows = json.loads(run.out)
+    assert [r["seq"] for r in rows] == sorted(r["seq"] for r in rows)
+    assert rows[0]["action"] == "prepare" and all(r["time"].endswith("Z") for r in rows)
+    lost = next(r for r in rows if r["to"] == "unknown")
+    assert lost["detail"]["reason"] == "ResponseLost"
+    lookup = next(r for r in rows if r["action"] == "lookup")
+    assert lookup["detail"]["lookup"] == "found" and lookup["to"] == "confirmed"
+    assert lookup["subject"] == lost["subject"]  # the same op key, reconciled, not re-sent
+
+
+def test_ledger_show_unknown_tx(store: str, tmp_path: Path) -> None:
+    run = cli("ledger", "show", "nope", "--db", store, cwd=tmp_path)
+    assert_clean_failure(run)
+    assert "transaction_not_found" in run.err
+
+
+def test_ledger_verify_unknown_tx(store: str, tmp_path: Path) -> None:
+    assert_clean_failure(cli("ledger", "verify", "--db", store, "--tx", "nope", cwd=tmp_path))
+
+
+@pytest.mark.parametrize(
+    ("url", "hint"),
+    [
+        ("mysql://x", "unsupported database 'mysql'"),
+        ("not a url", "Could not parse"),
+    ],
+)
+def test_ledger_verify_bad_url(url: str, hint: str, tmp_path: Path) -> None:
+    run = cli("ledger", "verify", "--db", url, cwd=tmp_path)
+    assert_clean_failure(run)
+    assert hint in run.err
+
+
+def test_read_commands_do_not_create_a_database(tmp_path: Path) -> None:
+    missing = tmp_path / "missing.db"
+    run = cli("ledger", "verify", "--db", f"sqlite+aiosqlite:///{missing}", cwd=tmp_path)
+    assert_clean_failure(run)
+    assert "agent-txn db upgrade" in run.err
+    assert not missing.exists()
+    # The default URL is agent.db in the working directory: also refused, also not created.
+    assert_clean_failure(cli("ledger", "show", "x", cwd=tmp_path))
+    assert not (tmp_path / "agent.db").exists()
+
+
+def test_schema_missing_is_a_clean_error(tmp_path: Path) -> None:
+    empty = tmp_path / "empty.db"
+    sqlite3.connect(empty).close()
+    run = cli("ledger", "verify", "--db", f"sqlite+aiosqlite:///{empty}", cwd=tmp_path)
+    assert_clean_failure(run)
+    assert "schema_outdated" in run.err and "agent-txn db upgrade" in run.err
+
+
+def test_db_upgrade_creates_the_schema(tmp_path: Path) -> None:
+    url = f"sqlite+aiosqlite:///{tmp_path / 'new.db'}"
+    first = cli("db", "upgrade", "--db", url, cwd=tmp_path)
+    assert first.code == 0, first.err
+    assert "(empty) → 0001" in first.out
+    again = cli("db", "upgrade", "--db", url, cwd=tmp_path)
+    assert again.code == 0 and "already at 0001" in again.out
+    current = cli("db", "current", "--db", url, cwd=tmp_path)
+    assert current.code == 0 and "schema at 0001" in current.out
+    verify = cli("ledger", "verify", "--db", url, cwd=tmp_path)
+    assert verify.code == 0, verify.err
+    assert "ledger OK: 0 transactions, 0 rows verified" in verify.out
+
+
+def test_db_upgrade_needs_an_existing_directory(tmp_path: Path) -> None:
+    url = f"sqlite+aiosqlite:///{tmp_path / 'nowhere' / 'x.db'}"
+    run = cli("db", "upgrade", "--db", url, cwd=tmp_path)
+    assert_clean_failure(run)
+    assert "does not exist" in run.err
+
+
+def test_ledger_verify_detects_tampering(demo_dir: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "tampered.db"
+    shutil.copy(demo_dir / "agent.db", copy)
+    with sqlite3.connect(copy) as conn:
+        # Only someone with raw file access can do this: the triggers refuse it otherwise.
+        conn.execute("DROP TRIGGER ledger_append_only_update")
+        conn.execute(
+            "UPDATE ledger SET detail = '{\"forged\":true}' WHERE seq = "
+            "(SELECT min(seq) FROM ledger WHERE action = 'lookup')"
+        )
+    run = cli("ledger", "verify", "--db", f"sqlite+aiosqlite:///{copy}", cwd=tmp_path)
+    assert run.code == 1, (run.out, run.err)
+    assert "row content does not match its hash" in run.out
+    assert "ledger verification FAILED: 1 problem(s)" in run.out
+
+
+def test_demo_with_postgres_db_needs_provider_db(tmp_path: Path) -> None:
+    run = cli("demo", "--db", "postgresql+asyncpg://u@127.0.0.1:1/x", cwd=tmp_path)
+    assert_clean_failure(run)
+    assert "--provider-db is required" in run.err
+
+
+def test_bad_log_level_is_a_usage_error(tmp_path: Path) -> None:
+    run = cli("--log-level", "LOUD", "ledger", "verify", cwd=tmp_path)
+    assert run.code == 2 and "Traceback" not in run.err
+
+
+async def test_demo_on_both_backends(db_urls: DbUrls, tmp_path: Path) -> None:
+    """SQLite through ``--dir``, PostgreSQL through ``--db``/``--provider-db``: same outcome."""
+    if db_urls.backend == "sqlite":
+        args = ["demo", "--dir", str(tmp_path / "demo")]
+        store = f"sqlite+aiosqlite:///{tmp_path / 'demo' / 'agent.db'}"
+    else:
+        args = ["demo", "--db", db_urls.store, "--provider-db", db_urls.provider]
+        store = db_urls.store
+    # In a thread: the fixture's databases live on this event loop, the CLI runs its own.
+    run = await asyncio.to_thread(cli, *args, cwd=tmp_path)
+    assert_demo_outcome(run)
+    verify = await asyncio.to_thread(cli, "ledger", "verify", "--db", store, cwd=tmp_path)
+    assert verify.code == 0, verify.err
+    assert "ledger OK: 3 transactions" in verify.out
+    if db_urls.backend == "postgres":
+        # A database the user named is never wiped: a second run is refused, not merged.
+        again = await asyncio.to_thread(cli, *args, cwd=tmp_path)
+        assert_clean_failure(again)
+        assert "needs an empty agent-txn database" in again.err
+
+
+async def test_run_demo_report(db_urls: DbUrls) -> None:
+    """The library entry point returns a report tests (and callers) can assert on."""
+    buffer = io.StringIO()
+    report = await run_demo(db_urls.store, db_urls.provider, out=Console(file=buffer, width=140))
+    assert report.ok, buffer.getvalue()
+    assert [(o.order_id, o.status) for o in report.orders] == [
+        ("order-41", "committed"),
+        ("order-42", "committed"),
+        ("order-43", "compensated"),
+    ]
+    assert report.order("order-42").counts == {
+        "reserve": 1,
+        "release": 0,
+        "charge": 1,
+        "refund": 0,
+        "email": 1,
+    }
+    assert report.order("order-43").counts_line == "reserve=1 release=1 charge=0 email=0"
+    assert report.totals["charge"] == 2 and report.problems == []
+
+
+def test_configure_logging_filters_and_renders_json() -> None:
+    stream = io.StringIO()
+    try:
+        configure_logging("WARNING", stream=stream)
+        log = structlog.get_logger("agent-txn-test")
+        log.info("dropped", tx_id="t1")
+        log.warning("kept", tx_id="t2")
+        configure_logging("info", json=True, stream=stream)
+        log.info("now kept", tx_id="t3")
+    finally:
+        structlog.reset_defaults()
+    lines = [json.loads(line) for line in stream.getvalue().splitlines()]
+    assert [(e["event"], e["level"], e["tx_id"]) for e in lines] == [
+        ("kept", "warning", "t2"),
+        ("now kept", "info", "t3"),
+    ]
+    assert all(e["timestamp"].endswith("Z") for e in lines)
+    with pytest.raises(ValueError, match="log level"):
+        configure_logging("LOUD", stream=stream)
