@@ -447,8 +447,24 @@ def ledger_verify(
     raise typer.Exit(EXIT_PROBLEM)
 
 
+#: Entry-point group through which upper layers add commands (``fault-inject`` lives in
+#: ``fault_injection``, which this layer must not import).
+PLUGIN_GROUP: Final = "agent_txn.cli"
+
+
+def load_plugins() -> None:
+    """Add the sub-apps that installed packages declare under :data:`PLUGIN_GROUP`."""
+    from importlib.metadata import entry_points
+
+    registered = {info.name for info in app.registered_groups}
+    for ep in entry_points(group=PLUGIN_GROUP):
+        if ep.name not in registered:
+            app.add_typer(ep.load(), name=ep.name)
+
+
 def main() -> None:
     """Entry point of the ``agent-txn`` console script."""
+    load_plugins()
     app()
 
 

@@ -1,0 +1,195 @@
+"""``agent-txn fault-inject``: run the suite, replay a schedule, check a pair of databases.
+
+::
+
+    agent-txn fault-inject run --suite seed|faults|concurrency|matrix|random|all
+        [--schedules N] [--seed S] [--workers K] [--db URL] [--report PATH] [--only NAME]
+
+``--db`` picks the backend: omitted (or a SQLite URL) runs on fresh SQLite files in a work
+folder; a PostgreSQL URL names the *server* — the suite creates fresh databases there and drops
+them afterwards. Exit status: 0 when every scenario passed, 1 on any failure or invariant
+violation, 2 on bad usage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from fault_injection.report import write_report
+from fault_injection.results import RunSummary, ScenarioResult
+
+app = typer.Typer(
+    help="Fault-injection suite: crashes, provider faults, races.", no_args_is_help=True
+)
+SUITES = ("seed", "faults", "concurrency", "matrix", "random", "all")
+
+
+def _console() -> Console:
+    return Console(highlight=False, soft_wrap=True)
+
+
+@app.command("run")
+def run(
+    suite: Annotated[
+        str, typer.Option(help="seed | faults | concurrency | matrix | random | all")
+    ] = "seed",
+    schedules: Annotated[int, typer.Option(min=1, help="Random schedules to run.")] = 200,
+    seed: Annotated[int | None, typer.Option(help="Seed of the random suite (printed).")] = None,
+    workers: Annotated[int, typer.Option(min=1, max=64, help="Concurrent recovering workers.")] = 4,
+    db: Annotated[str | None, typer.Option(help="SQLite URL, or a PostgreSQL server URL.")] = None,
+    report: Annotated[Path | None, typer.Option(help="Write PATH.json and PATH.md.")] = None,
+    only: Annotated[str | None, typer.Option(help="One matrix cell or random index.")] = None,
+    modes: Annotated[
+        str, typer.Option(help="Matrix crash modes: inprocess,kill.")
+    ] = "inprocess,kill",
+    allow_server_restart: Annotated[
+        bool, typer.Option(help="Concurrency suite on PostgreSQL: restart the server once.")
+    ] = False,
+) -> None:
+    """Run a suite; print PASS/FAIL per scenario and a summary."""
+    out = _console()
+    if suite not in SUITES:
+        out.print(f"[red]error:[/] --suite must be one of {', '.join(SUITES)}")
+        raise typer.Exit(2)
+    chosen = ["seed", "faults", "concurrency", "matrix", "random"] if suite == "all" else [suite]
+    run_seed = seed if seed is not None else random.SystemRandom().randrange(1, 2**31)
+    summary = RunSummary(seed=run_seed if "random" in chosen else None)
+    if "random" in chosen:
+        out.print(f"random suite seed: {run_seed}")
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="agent-txn-fi-") as tmp, _progress(out) as progress:
+        workdir = Path(tmp)
+        for name in chosen:
+            total = schedules if name == "random" and only is None else None
+            task = progress.add_task(name, total=total)
+
+            def done(result: ScenarioResult, task: Any = task) -> None:
+                progress.advance(task)
+                colour = "green" if result.passed else "red"
+                progress.console.print(f"[{colour}]{escape(result.line)}[/]")
+                if not result.passed and result.repro:
+                    progress.console.print(f"  reproduce: {escape(result.repro)}")
+
+            results = asyncio.run(
+                _run_one(
+                    name,
+                    db,
+                    workdir,
+                    schedules=schedules,
+                    seed=run_seed,
+                    workers=workers,
+                    only=only,
+                    modes=modes,
+                    allow_server_restart=allow_server_restart,
+                    progress=done,
+                )
+            )
+            summary.results.extend(results)
+    _print_summary(out, summary, time.monotonic() - started)
+    if report is not None:
+        paths = write_report(summary, report)
+        out.print("report: " + ", ".join(str(p) for p in paths))
+    raise typer.Exit(0 if summary.ok else 1)
+
+
+async def _run_one(
+    name: str,
+    db: str | None,
+    workdir: Path,
+    *,
+    schedules: int,
+    seed: int,
+    workers: int,
+    only: str | None,
+    modes: str,
+    allow_server_restart: bool,
+    progress: Callable[[ScenarioResult], None],
+) -> list[ScenarioResult]:
+    if name in ("seed", "faults", "concurrency"):
+        from fault_injection.scenarios import run_suite
+
+        return await run_suite(
+            name,  # type: ignore[arg-type]
+            db,
+            workdir,
+            workers=workers,
+            progress=progress,
+            allow_server_restart=allow_server_restart,
+        )
+    if name == "matrix":
+        from fault_injection.matrix import run_matrix
+
+        return await run_matrix(
+            db,
+            workdir,
+            modes=tuple(m.strip() for m in modes.split(",") if m.strip()),
+            only=only,
+            progress=progress,
+        )
+    from fault_injection.schedules import run_random
+
+    return await run_random(
+        db,
+        workdir,
+        schedules=schedules,
+        seed=seed,
+        workers=workers,
+        only=int(only) if only is not None else None,
+        progress=progress,
+    )
+
+
+def _progress(out: Console) -> Progress:
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=out,
+        transient=True,
+    )
+
+
+def _print_summary(out: Console, summary: RunSummary, seconds: float) -> None:
+    data = summary.to_json()
+    faults = ", ".join(f"{k}={v}" for k, v in sorted(summary.faults.items())) or "none"
+    out.rule("summary")
+    out.print(f"scenarios run: {data['scenarios']} ({data['passed']} passed)")
+    out.print(f"faults injected: {faults}")
+    out.print(f"crashes: {data['crashes']}   sagas: {data['sagas']}   time: {seconds:.1f}s")
+    if summary.seed is not None:
+        out.print(f"seed: {summary.seed}")
+    violations = summary.violations
+    if not violations:
+        out.print("[green]invariant violations: 0[/]")
+        return
+    out.print(f"[red]invariant violations: {len(violations)}[/]")
+    for v in violations:
+        out.print(f"  [{v.invariant}] {escape(v.name)} tx={v.tx_id}: {escape(v.message)}")
+
+
+@app.command("check")
+def check(
+    db: Annotated[str, typer.Option(help="Our database URL.")],
+    provider_db: Annotated[str, typer.Option(help="The fake provider's database URL.")],
+    settled: Annotated[bool, typer.Option(help="Require every transaction settled.")] = True,
+) -> None:
+    """Run the invariant checker over an existing pair of databases."""
+    from fault_injection.invariants import check_invariants
+
+    out = _console()
+    report = asyncio.run(check_invariants(db, provider_db, require_settled=settled))
+    out.print(json.dumps(report.to_json(), indent=2, default=str))
+    raise typer.Exit(0 if report.ok else 1)
