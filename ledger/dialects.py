@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import sqlite3
+import time
 from typing import Any, Literal
 
 from sqlalchemy import BigInteger, Table, event, literal_column
@@ -19,6 +21,7 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Connection, make_url
 from sqlalchemy.exc import DBAPIError, IntegrityError, InterfaceError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+from sqlalchemy.sql import Select
 from sqlalchemy.sql.dml import Insert
 from sqlalchemy.sql.elements import ColumnElement
 
@@ -96,7 +99,7 @@ def _sqlite_engine(url: str, synchronous: str, busy_timeout_ms: int) -> AsyncEng
         # and a deferred reader that later writes can deadlock on SQLite's single writer lock.
         dbapi_connection.isolation_level = None
         cursor = dbapi_connection.cursor()
-        cursor.execute("PRAGMA journal_mode=WAL")
+        _enable_wal(cursor, busy_timeout_ms)
         # FULL by default: with NORMAL a power loss may undo a commit whose intent a provider
         # already acted on, orphaning the effect. NORMAL is still safe against process crashes.
         cursor.execute(f"PRAGMA synchronous={synchronous.upper()}")
@@ -110,6 +113,23 @@ def _sqlite_engine(url: str, synchronous: str, busy_timeout_ms: int) -> AsyncEng
         conn.exec_driver_sql("BEGIN DEFERRED" if read_only else "BEGIN IMMEDIATE")
 
     return engine
+
+
+def _enable_wal(cursor: Any, busy_timeout_ms: int) -> None:
+    """Switch the file to WAL. Changing the journal mode does not wait on the busy handler, so
+    processes opening a brand-new file together retry here instead of failing."""
+    cursor.execute("PRAGMA journal_mode")
+    if str(cursor.fetchone()[0]).lower() == "wal":
+        return
+    deadline = time.monotonic() + busy_timeout_ms / 1000
+    while True:
+        try:
+            cursor.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc).lower() or time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
 
 
 def db_now_ms(dialect: Dialect) -> ColumnElement[int]:
@@ -177,3 +197,13 @@ def insert_ignore(dialect: Dialect, table: Table, values: dict[str, Any]) -> Ins
     if dialect == "postgresql":
         return postgresql_insert(table).values(values).on_conflict_do_nothing()
     return sqlite_insert(table).values(values).on_conflict_do_nothing()
+
+
+def skip_locked(stmt: Select[Any], dialect: Dialect) -> Select[Any]:
+    """Let concurrent claimers pass over rows another worker is claiming (PostgreSQL).
+
+    SQLite has a single writer: the write transaction itself serialises claimers.
+    """
+    if dialect == "postgresql":
+        return stmt.with_for_update(skip_locked=True)
+    return stmt

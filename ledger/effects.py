@@ -435,6 +435,34 @@ async def renew(work: Work, claim_: Claim, *, lease_ms: int) -> None:
         raise LeaseLost(f"{claim_.kind.value} {claim_.key}", claim_.fence)
 
 
+async def release(work: Work, chain: Chain, claim_: Claim) -> None:
+    """Give a claim back unused: the lease ends now, so the next claimer takes it at once.
+
+    The state stays ``executing`` (the table has no way back to ``pending``), so that claimer
+    looks up first — cheap, and right, since nothing but this process knows it never called.
+    """
+    table = _TABLES[claim_.kind]
+    stmt = (
+        update(table)
+        .where(
+            _key(claim_.kind) == claim_.key,
+            table.c.fence == claim_.fence,
+            table.c.state == EffectState.EXECUTING.value,
+        )
+        .values(lease_until=work.db_now, updated_at=work.now_ms)
+    )
+    if (await work.conn.execute(stmt)).rowcount != 1:
+        raise LeaseLost(f"{claim_.kind.value} {claim_.key}", claim_.fence)
+    work.log(
+        chain,
+        action="release",
+        subject=claim_.key,
+        from_state=EffectState.EXECUTING.value,
+        to_state=EffectState.EXECUTING.value,
+        detail={"fence": claim_.fence},
+    )
+
+
 async def skip_pending(work: Work, chain: Chain, kind: EffectKind, keys: Sequence[str]) -> None:
     """Mark never-reached effects ``skipped`` (the caller holds the transaction's lease)."""
     if not keys:

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ledger.schema import compensation_steps, ledger, operations, outbox, transactions
@@ -63,6 +63,19 @@ async def chain_of(conn: AsyncConnection, tx_id: str) -> Chain:
     )
     head = (await conn.execute(stmt)).scalar_one_or_none()
     return Chain(tx_id=tx_id, head=head or GENESIS_HASH)
+
+
+async def chains_of(conn: AsyncConnection, tx_ids: Iterable[str]) -> dict[str, Chain]:
+    """Chains of many transactions at their newest rows, in one statement."""
+    ids = list(tx_ids)
+    if not ids:
+        return {}
+    newest = select(func.max(ledger.c.seq)).where(ledger.c.tx_id.in_(ids)).group_by(ledger.c.tx_id)
+    rows = await conn.execute(
+        select(ledger.c.tx_id, ledger.c.hash).where(ledger.c.seq.in_(newest.scalar_subquery()))
+    )
+    heads = {tx_id: head for tx_id, head in rows.all()}
+    return {tx_id: Chain(tx_id=tx_id, head=heads.get(tx_id, GENESIS_HASH)) for tx_id in ids}
 
 
 def _entry(m: Any) -> LedgerEntry:

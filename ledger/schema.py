@@ -41,7 +41,7 @@ from ledger.states import EffectState, TxState
 
 NAMING_CONVENTION = {
     "ix": "ix_%(column_0_label)s",
-    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
     "ck": "ck_%(table_name)s_%(constraint_name)s",
     "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
     "pk": "pk_%(table_name)s",
@@ -176,8 +176,9 @@ outbox = Table(
     *_effect_checks(),
     UniqueConstraint("tx_id", "kind"),
 )
+# operations and outbox are found by tx through their unique (tx_id, …) keys already.
+Index("ix_compensation_steps_tx", compensation_steps.c.tx_id)
 for _table in (operations, compensation_steps, outbox):
-    Index(f"ix_{_table.name}_tx", _table.c.tx_id)
     Index(f"ix_{_table.name}_state_next", _table.c.state, _table.c.next_attempt_at)
 
 ledger = Table(

@@ -16,6 +16,7 @@ from sqlalchemy import ColumnElement, and_, func, literal, or_, select, update
 from sqlalchemy.engine import Row
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from ledger import dialects, events
 from ledger.errors import LeaseLost
 from ledger.schema import transactions
 from ledger.states import TX_TERMINAL, TxState, check_tx_transition
@@ -263,6 +264,62 @@ async def renew(work: Work, txc: TxClaim, *, lease_ms: int) -> None:
         raise LeaseLost(f"transaction {txc.tx_id}", txc.fence)
 
 
+@dataclass(frozen=True, slots=True)
+class ClaimedTx:
+    """A transaction a worker claimed, with its ledger chain positioned for the holder."""
+
+    txc: TxClaim
+    chain: Chain
+
+
+def _due_condition(now: ColumnElement[int]) -> list[ColumnElement[bool]]:
+    return [
+        transactions.c.status.in_([s.value for s in RESUMABLE]),
+        or_(transactions.c.lease_until.is_(None), transactions.c.lease_until <= now),
+        or_(transactions.c.next_attempt_at.is_(None), transactions.c.next_attempt_at <= now),
+    ]
+
+
+async def claim_due(work: Work, *, owner: str, lease_ms: int, limit: int) -> list[ClaimedTx]:
+    """Claim up to ``limit`` due transactions in one statement (``SKIP LOCKED`` on PostgreSQL,
+    so N workers take disjoint batches instead of queueing on the same rows)."""
+    now = work.db_now
+    due = dialects.skip_locked(
+        select(transactions.c.tx_id)
+        .where(*_due_condition(now))
+        .order_by(transactions.c.next_attempt_at, transactions.c.created_at)
+        .limit(limit),
+        work.store.dialect,
+    )
+    stmt = (
+        update(transactions)
+        .where(transactions.c.tx_id.in_(due.scalar_subquery()), *_due_condition(now))
+        .values(
+            fence=transactions.c.fence + 1,
+            lease_owner=owner,
+            lease_until=now + literal(lease_ms),
+            attempts=transactions.c.attempts + 1,
+            updated_at=work.now_ms,
+        )
+        .returning(transactions.c.tx_id, transactions.c.status, transactions.c.fence)
+    )
+    rows = (await work.conn.execute(stmt)).all()
+    chains = await events.chains_of(work.conn, [r.tx_id for r in rows])
+    claimed: list[ClaimedTx] = []
+    for row in rows:
+        chain = chains[row.tx_id]
+        status, fence = TxState(row.status), int(row.fence)
+        work.log(
+            chain,
+            action="claim",
+            from_state=status.value,
+            to_state=status.value,
+            detail={"fence": fence, "owner": owner},
+        )
+        claimed.append(ClaimedTx(TxClaim(row.tx_id, fence, status, owner), chain))
+    return claimed
+
+
 async def get(conn: AsyncConnection, tx_id: str) -> TxRecord | None:
     """One transaction by id."""
     row = (await conn.execute(select(transactions).where(transactions.c.tx_id == tx_id))).first()
@@ -283,11 +340,7 @@ async def due(conn: AsyncConnection, now: ColumnElement[int], *, limit: int = 10
     """Ids of resumable transactions with no live lease whose next attempt is due."""
     stmt = (
         select(transactions.c.tx_id)
-        .where(
-            transactions.c.status.in_([s.value for s in RESUMABLE]),
-            or_(transactions.c.lease_until.is_(None), transactions.c.lease_until <= now),
-            or_(transactions.c.next_attempt_at.is_(None), transactions.c.next_attempt_at <= now),
-        )
+        .where(*_due_condition(now))
         .order_by(transactions.c.next_attempt_at, transactions.c.created_at)
         .limit(limit)
     )

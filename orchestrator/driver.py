@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -79,6 +79,8 @@ class SagaRun:
     error: dict[str, Any] | None = None
     paused_on: Effect | None = None
     retry_hint_ms: int | None = None
+    #: Asked after every commit; true ends the drive and hands the leases back (worker stop).
+    should_stop: Callable[[], bool] | None = None
     _milestones: list[str] = field(default_factory=list)
     _lease_renewed_at: float = field(default_factory=time.monotonic)
 
@@ -110,6 +112,19 @@ class SagaRun:
             self._after_commit_milestones()
             if claim is None:
                 return
+            if self.should_stop is not None and self.should_stop():
+                await self._hand_back(claim)
+                return
+
+    async def _hand_back(self, claim: Claim) -> None:
+        """Stopping: give back the effect just claimed and the transaction lease, so another
+        worker resumes at once (the effect was never sent: its claim is undone by expiry-free
+        release of the lease; the next claimer still looks up first, as for any reclaim)."""
+        async with self.services.store.transaction() as work:
+            await effects.release(work, self.chain, claim)
+            if self.txc.status not in TX_TERMINAL:
+                await transactions.release(work, self.txc, retry_in_ms=None)
+        log.info("handed back on stop", tx_id=self.tx_id, op_key=claim.key)
 
     async def _keep_lease(self, work: Work) -> None:
         """Renew the transaction lease in passing once half of it is gone (long sagas only)."""

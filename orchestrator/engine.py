@@ -454,17 +454,27 @@ class Orchestrator:
     # -- recovery -------------------------------------------------------------------------------
 
     async def recover(self, *, limit: int = 100) -> RecoveryReport:
-        """One recovery pass: resume due transactions, dispatch due outbox events."""
+        """One recovery pass: claim due transactions (one statement), drive each, then dispatch
+        due outbox events of committed transactions."""
         report = RecoveryReport(passes=1)
-        async with self.store.read() as conn:
-            tx_ids = await transactions.due(conn, self.store.db_now(), limit=limit)
-            due_events = await effects.due(
-                conn, EffectKind.OUTBOX, self.store.db_now(), limit=limit
-            )
-        for tx_id in tx_ids:
-            await self._guarded(report, self._resume(tx_id), tx_id)
+        s = self.settings
+        try:
+            async with self.store.transaction() as work:
+                claimed = await transactions.claim_due(
+                    work, owner=s.worker_id, lease_ms=s.lease_ms, limit=limit
+                )
+            async with self.store.read() as conn:
+                due_events = await effects.due(
+                    conn, EffectKind.OUTBOX, self.store.db_now(), limit=limit
+                )
+        except StorageError as exc:
+            report.errors += 1
+            log.warning("recovery claim failed", error=type(exc).__name__)
+            return report
+        for c in claimed:
+            await self._guarded(report, self.drive_claimed(c), c.txc.tx_id)
         for tx_id in dict.fromkeys(e.tx_id for e in due_events):
-            await self._guarded(report, self._dispatch(tx_id), tx_id, outbox=True)
+            await self._guarded(report, self.dispatch_outbox(tx_id), tx_id, outbox=True)
         return report
 
     async def _guarded(
@@ -486,20 +496,24 @@ class Orchestrator:
                 report.transactions += 1
             report.tx_ids.append(tx_id)
 
-    async def _resume(self, tx_id: str) -> bool:
-        owner, lease_ms = self.settings.worker_id, self.settings.lease_ms
+    async def drive_claimed(
+        self,
+        claimed: transactions.ClaimedTx,
+        *,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> TxState:
+        """Drive a transaction this engine holds the lease of, until it is terminal, parked or
+        waiting; ``should_stop`` ends the drive after the current write (lease released)."""
         async with self.store.transaction() as work:
-            chain = await events.chain_of(work.conn, tx_id)
-            txc = await transactions.claim(work, chain, tx_id, owner=owner, lease_ms=lease_ms)
-            if txc is None:
-                return False
-            run = await self._load_run(work.conn, chain, txc)
+            run = await self._load_run(work.conn, claimed.chain, claimed.txc)
+            run.should_stop = should_stop
             claim = await run._advance(work, eager=False)
         run._after_commit_milestones()
         await run.drive(claim)
-        return True
+        return run.txc.status
 
-    async def _dispatch(self, tx_id: str) -> bool:
+    async def dispatch_outbox(self, tx_id: str) -> bool:
+        """Send the due outbox events of a committed transaction; ``False`` if none was due."""
         async with self.store.transaction() as work:
             chain = await events.chain_of(work.conn, tx_id)
             tx = await transactions.get(work.conn, tx_id)

@@ -144,7 +144,7 @@ def upgrade() -> None:
         sa.ForeignKeyConstraint(
             ["tx_id"], ["transactions.tx_id"], name=op.f("fk_operations_tx_id_transactions")
         ),
-        sa.UniqueConstraint("tx_id", "step", name=op.f("uq_operations_tx_id")),
+        sa.UniqueConstraint("tx_id", "step", name=op.f("uq_operations_tx_id_step")),
         *_effect_checks("operations"),
     )
 
@@ -180,12 +180,13 @@ def upgrade() -> None:
         sa.ForeignKeyConstraint(
             ["tx_id"], ["transactions.tx_id"], name=op.f("fk_outbox_tx_id_transactions")
         ),
-        sa.UniqueConstraint("tx_id", "kind", name=op.f("uq_outbox_tx_id")),
+        sa.UniqueConstraint("tx_id", "kind", name=op.f("uq_outbox_tx_id_kind")),
         *_effect_checks("outbox"),
     )
 
     for table in _EFFECT_TABLES:
-        op.create_index(op.f(f"ix_{table}_tx"), table, ["tx_id"])
+        if table == "compensation_steps":  # the others lead their unique key with tx_id
+            op.create_index(op.f(f"ix_{table}_tx"), table, ["tx_id"])
         op.create_index(op.f(f"ix_{table}_state_next"), table, ["state", "next_attempt_at"])
 
     op.create_table(
@@ -210,7 +211,7 @@ def upgrade() -> None:
         sa.ForeignKeyConstraint(
             ["tx_id"], ["transactions.tx_id"], name=op.f("fk_ledger_tx_id_transactions")
         ),
-        sa.UniqueConstraint("tx_id", "prev_hash", name=op.f("uq_ledger_tx_id")),
+        sa.UniqueConstraint("tx_id", "prev_hash", name=op.f("uq_ledger_tx_id_prev_hash")),
     )
     op.create_index(op.f("ix_ledger_tx_seq"), "ledger", ["tx_id", "seq"])
 
@@ -224,7 +225,8 @@ def downgrade() -> None:
     op.drop_table("ledger")
     for table in reversed(_EFFECT_TABLES):
         op.drop_index(op.f(f"ix_{table}_state_next"), table_name=table)
-        op.drop_index(op.f(f"ix_{table}_tx"), table_name=table)
+        if table == "compensation_steps":
+            op.drop_index(op.f(f"ix_{table}_tx"), table_name=table)
     op.drop_table("outbox")
     op.drop_table("compensation_steps")
     op.drop_table("operations")

@@ -1,0 +1,157 @@
+"""The worker: a long-running recovery loop over one store, many of them over one PostgreSQL.
+
+Each loop iteration claims a batch of due transactions in **one statement** (``UPDATE …
+WHERE tx_id IN (SELECT … FOR UPDATE SKIP LOCKED LIMIT n) RETURNING`` on PostgreSQL, a plain
+scan + compare-and-set on SQLite, see :func:`ledger.transactions.claim_due`), drives each with
+the same driver ``execute`` uses (lookup before any re-apply), dispatches due outbox events, and
+sleeps with jitter when there is nothing to do. :meth:`Worker.stop` (SIGTERM / SIGINT in the
+CLI) stops claiming; every saga in hand finishes its current provider call and its write, then
+gives its lease back instead of taking the next step. A worker that dies simply lets its leases
+expire.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+from dataclasses import dataclass, field
+
+import structlog
+
+from ledger import effects, transactions
+from ledger.effects import EffectKind
+from ledger.errors import LeaseLost, StorageError
+from orchestrator.engine import Orchestrator
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass
+class WorkerStats:
+    """What a worker did since it started."""
+
+    claimed: int = 0
+    finished: int = 0
+    events: int = 0
+    lease_lost: int = 0
+    errors: int = 0
+    passes: int = 0
+    by_status: dict[str, int] = field(default_factory=dict)
+
+
+class Worker:
+    """Recovery loops for one process; ``concurrency`` sagas in hand at most."""
+
+    def __init__(
+        self,
+        orch: Orchestrator,
+        *,
+        concurrency: int = 8,
+        poll_seconds: float = 0.5,
+    ) -> None:
+        if concurrency < 1:
+            raise ValueError("concurrency must be at least 1")
+        self.orch = orch
+        self.concurrency = concurrency
+        self.poll_seconds = poll_seconds
+        self.stats = WorkerStats()
+        self._stopping = asyncio.Event()
+        self._slots = asyncio.Semaphore(concurrency)
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def stop(self) -> None:
+        """Stop claiming; sagas in hand finish their current write and release their lease."""
+        self._stopping.set()
+
+    @property
+    def stopping(self) -> bool:
+        """True once :meth:`stop` was called."""
+        return self._stopping.is_set()
+
+    async def run(self, *, once: bool = False) -> WorkerStats:
+        """Loop until stopped (or, with ``once``, until nothing is due)."""
+        log.info("worker started", worker=self.orch.settings.worker_id, once=once)
+        try:
+            while not self.stopping:
+                did = await self.run_pass()
+                if once and not did and not self._tasks:
+                    break
+                if not did:
+                    await self._idle()
+        finally:
+            if self._tasks:
+                await asyncio.gather(*self._tasks, return_exceptions=True)
+        log.info("worker stopped", worker=self.orch.settings.worker_id, **self.stats.__dict__)
+        return self.stats
+
+    async def run_pass(self) -> int:
+        """Claim what fits in the free slots, start driving it; returns how much was started."""
+        free = self.concurrency - len(self._tasks)
+        if free <= 0:
+            await asyncio.wait(self._tasks, return_when=asyncio.FIRST_COMPLETED)
+            return 1
+        self.stats.passes += 1
+        try:
+            claimed = await self._claim(free)
+            due_events = await self._due_events(free) if len(claimed) < free else []
+        except StorageError as exc:
+            self.stats.errors += 1
+            log.warning("claim pass failed", error=type(exc).__name__)
+            return 0
+        for txc in claimed:
+            self._spawn(self._drive(txc))
+        for tx_id in due_events:
+            self._spawn(self._dispatch(tx_id))
+        return len(claimed) + len(due_events)
+
+    def _spawn(self, job: asyncio.Future[None] | asyncio.Task[None] | object) -> None:
+        task: asyncio.Task[None] = asyncio.ensure_future(job)  # type: ignore[arg-type]
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _idle(self) -> None:
+        # Jitter keeps N idle workers from polling the database in lockstep.
+        delay = self.poll_seconds * (0.5 + random.random())
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stopping.wait(), delay)
+
+    async def _claim(self, limit: int) -> list[transactions.ClaimedTx]:
+        s = self.orch.settings
+        async with self.orch.store.transaction() as work:
+            claimed = await transactions.claim_due(
+                work, owner=s.worker_id, lease_ms=s.lease_ms, limit=limit
+            )
+        self.stats.claimed += len(claimed)
+        return claimed
+
+    async def _due_events(self, limit: int) -> list[str]:
+        async with self.orch.store.read() as conn:
+            rows = await effects.due(conn, EffectKind.OUTBOX, self.orch.store.db_now(), limit=limit)
+        return list(dict.fromkeys(r.tx_id for r in rows))
+
+    async def _drive(self, claimed: transactions.ClaimedTx) -> None:
+        try:
+            status = await self.orch.drive_claimed(claimed, should_stop=lambda: self.stopping)
+        except LeaseLost:
+            self.stats.lease_lost += 1
+            return
+        except StorageError as exc:
+            self.stats.errors += 1
+            log.warning("drive failed", tx_id=claimed.txc.tx_id, error=type(exc).__name__)
+            return
+        self.stats.finished += 1
+        self.stats.by_status[status.value] = self.stats.by_status.get(status.value, 0) + 1
+
+    async def _dispatch(self, tx_id: str) -> None:
+        try:
+            if await self.orch.dispatch_outbox(tx_id):
+                self.stats.events += 1
+        except LeaseLost:
+            self.stats.lease_lost += 1
+        except StorageError as exc:
+            self.stats.errors += 1
+            log.warning("outbox dispatch failed", tx_id=tx_id, error=type(exc).__name__)
+
+
+__all__ = ["Worker", "WorkerStats"]
