@@ -447,6 +447,45 @@ def ledger_verify(
     raise typer.Exit(EXIT_PROBLEM)
 
 
+@app.command("worker")
+def worker(
+    db: DbOption = DEFAULT_DB,
+    concurrency: Annotated[int, typer.Option(min=1, max=1024, help="Sagas in hand.")] = 8,
+    lease_seconds: Annotated[float, typer.Option(min=1, help="Lease length.")] = 30.0,
+    once: Annotated[bool, typer.Option(help="Exit when nothing is due.")] = False,
+    poll_seconds: Annotated[float, typer.Option(min=0.01, help="Idle poll interval.")] = 0.5,
+    worker_id: Annotated[str | None, typer.Option(help="Lease owner name.")] = None,
+    fake_shop: Annotated[
+        str | None, typer.Option(help="Serve the fake shop's providers from this database.")
+    ] = None,
+    app_ref: Annotated[
+        str | None, typer.Option("--app", help="module:attribute giving your providers.")
+    ] = None,
+) -> None:
+    """Recovery loops: resume due transactions, compensate, dispatch the outbox."""
+    from orchestrator.config import EngineSettings
+    from orchestrator.workerproc import run_worker_process
+
+    url = _checked_url(db)
+    extra = {"worker_id": worker_id} if worker_id else {}
+    settings = EngineSettings(lease_seconds=lease_seconds, **extra)
+    stats = _run(
+        run_worker_process(
+            url,
+            settings=settings,
+            concurrency=concurrency,
+            once=once,
+            poll_seconds=poll_seconds,
+            fake_shop=fake_shop,
+            app_ref=app_ref,
+        )
+    )
+    _stdout().print(
+        f"worker {settings.worker_id}: claimed {stats.claimed}, finished {stats.finished}, "
+        f"outbox {stats.events}, lease lost {stats.lease_lost}, errors {stats.errors}"
+    )
+
+
 #: Entry-point group through which upper layers add commands (``fault-inject`` lives in
 #: ``fault_injection``, which this layer must not import).
 PLUGIN_GROUP: Final = "agent_txn.cli"
