@@ -20,6 +20,7 @@ from sqlalchemy.dialects.postgresql import insert as postgresql_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Connection, make_url
 from sqlalchemy.exc import DBAPIError, IntegrityError, InterfaceError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.sql import Select
 from sqlalchemy.sql.dml import Insert
@@ -146,6 +147,8 @@ def translate(exc: BaseException) -> StorageError | None:
     """Map a driver/SQLAlchemy exception to a storage error, or ``None`` if it is not one."""
     if isinstance(exc, StorageError):
         return exc
+    if isinstance(exc, PoolTimeout):
+        return StoreBusy("no free database connection")
     if isinstance(exc, IntegrityError):
         code = _pg_code(exc)
         text = str(exc.orig)

@@ -284,16 +284,22 @@ async def claim_due(work: Work, *, owner: str, lease_ms: int, limit: int) -> lis
     """Claim up to ``limit`` due transactions in one statement (``SKIP LOCKED`` on PostgreSQL,
     so N workers take disjoint batches instead of queueing on the same rows)."""
     now = work.db_now
-    due = dialects.skip_locked(
+    picked = (
         select(transactions.c.tx_id)
         .where(*_due_condition(now))
         .order_by(transactions.c.next_attempt_at, transactions.c.created_at)
-        .limit(limit),
-        work.store.dialect,
+        .limit(limit)
     )
+    if work.store.dialect == "postgresql":
+        # A CTE is evaluated once: with ``IN (SELECT … LIMIT n FOR UPDATE SKIP LOCKED)`` the
+        # planner may re-run the subquery per row and claim far more than ``n``.
+        due = dialects.skip_locked(picked, work.store.dialect).cte("due")
+        target = transactions.c.tx_id == due.c.tx_id
+    else:
+        target = transactions.c.tx_id.in_(picked.scalar_subquery())
     stmt = (
         update(transactions)
-        .where(transactions.c.tx_id.in_(due.scalar_subquery()), *_due_condition(now))
+        .where(target, *_due_condition(now))
         .values(
             fence=transactions.c.fence + 1,
             lease_owner=owner,

@@ -552,7 +552,15 @@ class Orchestrator:
             total.merge(report)
             if report.transactions or report.events:
                 continue
-            if not await self.in_flight() or time.monotonic() >= deadline:
+            try:
+                busy = await self.in_flight()
+            except StorageError as exc:
+                # The database went away between passes (killed backend, restart): a worker
+                # keeps draining until its deadline rather than dying with its work in hand.
+                total.errors += 1
+                log.warning("in-flight check failed", error=type(exc).__name__)
+                busy = 1
+            if not busy or time.monotonic() >= deadline:
                 return total
             await asyncio.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
 

@@ -164,7 +164,9 @@ async def decide(
             assert isinstance(answer, NotFound)
             evidence["lookup"] = "not_found"
             evidence["voided"] = answer.voided
-            if void and answer.voided:
+            # Past the dedup window the provider may have forgotten the key, so its "never
+            # saw it" proves nothing (the tombstone still refuses a late original): park below.
+            if void and answer.voided and not expired:
                 return Decision(
                     EffectState.FAILED,
                     "lookup",

@@ -1,0 +1,154 @@
+"""Workers: in-process loops, a SIGTERM during a provider call, several worker processes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+from fault_injection.invariants import check_invariants
+from fault_injection.sagas import order, order_saga
+from ledger.states import TxState
+from orchestrator.crashpoints import SimulatedCrash
+from orchestrator.worker import Worker
+from tests.support.world import World
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+async def _crash_many(world: World, n: int, point: str = "effect.after_apply") -> list[str]:
+    """``n`` sagas, each dying after its charge was applied (in doubt, lease 1 s)."""
+    orch = await world.engine(lease_seconds=1)
+    ids = []
+    for i in range(n):
+        when = (lambda c: c.get("name") == "charge") if point.startswith("effect.") else None
+        orch.crashpoints.arm(point, when=when)
+        with pytest.raises(SimulatedCrash):
+            await orch.execute(order_saga(), order(f"w{i}"), tx_id=f"w-{i}")
+        ids.append(f"w-{i}")
+    await orch.abandon()
+    return ids
+
+
+async def test_worker_finishes_crashed_sagas(world: World) -> None:
+    ids = await _crash_many(world, 12)
+    orch = await world.engine()
+    orch.store.advance_clock(5)
+    stats = await Worker(orch, concurrency=4, poll_seconds=0.01).run(once=True)
+    assert stats.claimed == 12 and stats.finished == 12
+    for tx_id in ids:
+        assert (await orch.result(tx_id)).status is TxState.COMMITTED
+    report = await check_invariants(world.urls.store, world.urls.provider)
+    assert report.ok, report.violations
+    counts = await world.shop.counts()
+    assert (counts["payments.charge"], counts["email.send"]) == (12, 12)
+
+
+async def test_workers_share_work_without_double_effects(world: World) -> None:
+    ids = await _crash_many(world, 20, point="prepare.after_commit")
+    workers = []
+    for _ in range(3):
+        orch = await world.engine()
+        orch.store.advance_clock(5)
+        workers.append(Worker(orch, concurrency=3, poll_seconds=0.01))
+    stats = await asyncio.gather(*(w.run(once=True) for w in workers))
+    assert sum(s.finished for s in stats) >= 20
+    report = await check_invariants(world.urls.store, world.urls.provider)
+    assert report.ok, report.violations
+    assert (await world.shop.counts())["payments.charge"] == len(ids)
+
+
+def _worker_cmd(world: World, *extra: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "orchestrator.cli",
+        "--log-level",
+        "INFO",
+        "worker",
+        "--db",
+        world.urls.store,
+        "--poll-seconds",
+        "0.05",
+        *extra,
+    ]
+
+
+async def _spawn(cmd: list[str], env: dict[str, str]) -> asyncio.subprocess.Process:
+    return await asyncio.create_subprocess_exec(
+        *cmd,
+        cwd=ROOT,
+        env={**os.environ, **env},
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+
+
+async def test_sigterm_during_a_provider_call_hands_the_saga_over(world: World) -> None:
+    await _crash_many(world, 1, point="prepare.after_commit")
+    await asyncio.sleep(1.1)  # the dead holder's 1 s lease runs out
+    env = {"AGENT_TXN_TEST_PROVIDER_URL": world.urls.provider, "SLOW_SECONDS": "2"}
+    proc = await _spawn(
+        _worker_cmd(world, "--app", "tests.support.slowshop:build", "--worker-id", "first"), env
+    )
+    charge_key = None
+    for _ in range(200):  # wait until the slow charge is in flight at the provider
+        effects_ = await world.shop.effects("payments.charge")
+        if effects_:
+            charge_key = effects_[0].key
+            break
+        await asyncio.sleep(0.05)
+    assert charge_key is not None, "the worker never called the provider"
+    proc.send_signal(signal.SIGTERM)
+    _, err = await asyncio.wait_for(proc.communicate(), 30)
+    assert proc.returncode == 0, err.decode()
+
+    second = await world.engine(worker_id="second")
+    await second.drain(timeout_seconds=10)
+    result = await second.result("w-0")
+    assert result.status is TxState.COMMITTED
+    owners = [e.detail.get("owner") for e in await second.ledger("w-0") if e.action == "claim"]
+    assert "first" in owners and "second" in owners  # the ledger shows the hand-over
+    counts = await world.shop.counts()
+    assert (counts["payments.charge"], counts["email.send"]) == (1, 1)
+    report = await check_invariants(world.urls.store, world.urls.provider)
+    assert report.ok, report.violations
+
+
+async def test_several_worker_processes(world: World) -> None:
+    if world.urls.backend != "postgres":
+        pytest.skip("several writer processes are the PostgreSQL deployment")
+    ids = await _crash_many(world, 40, point="prepare.after_commit")
+    await asyncio.sleep(1.1)
+    procs = [
+        await _spawn(
+            _worker_cmd(
+                world,
+                "--once",
+                "--fake-shop",
+                world.urls.provider,
+                "--concurrency",
+                "4",
+                "--worker-id",
+                f"p{i}",
+            ),
+            {},
+        )
+        for i in range(4)
+    ]
+    outs = await asyncio.wait_for(asyncio.gather(*(p.communicate() for p in procs)), 120)
+    assert all(p.returncode == 0 for p in procs), [o[1].decode()[-500:] for o in outs]
+    # SKIP LOCKED hands out disjoint batches: every process got a share of the work.
+    finished = [int(o[0].decode().split("finished ")[1].split(",")[0]) for o in outs]
+    assert sum(finished) >= 40 and sum(n > 0 for n in finished) >= 3, finished
+    first = await world.engine()
+    await first.drain(timeout_seconds=10)
+    for tx_id in ids:
+        assert (await first.result(tx_id)).status is TxState.COMMITTED
+    report = await check_invariants(world.urls.store, world.urls.provider)
+    assert report.ok, report.violations
+    assert (await world.shop.counts())["payments.charge"] == 40
