@@ -192,6 +192,7 @@ async def transition(
     release: bool = False,
     retry_in_ms: int | None = None,
     detail: Mapping[str, Any] | None = None,
+    clear_error: bool = False,
 ) -> TxClaim:
     """Fenced status change ``txc.status -> *via -> to_state`` in one UPDATE (one ledger row per
     edge). ``release`` drops the lease; ``retry_in_ms`` schedules the next recovery attempt."""
@@ -201,6 +202,8 @@ async def transition(
     values: dict[str, Any] = {"status": to_state.value, "updated_at": work.now_ms}
     if error is not None:
         values["error"] = dict(error)
+    elif clear_error:
+        values["error"] = None
     if release or to_state in TX_TERMINAL:
         values["lease_owner"] = None
         values["lease_until"] = None

@@ -70,6 +70,8 @@ db_app = typer.Typer(help="Schema migrations.", no_args_is_help=True)
 ledger_app = typer.Typer(help="Read and verify the append-only ledger.", no_args_is_help=True)
 app.add_typer(db_app, name="db")
 app.add_typer(ledger_app, name="ledger")
+review_app = typer.Typer(help="Parked transactions: evidence and decisions.", no_args_is_help=True)
+app.add_typer(review_app, name="review")
 
 DbOption = Annotated[
     str,
@@ -445,6 +447,96 @@ def ledger_verify(
         f"in {n_tx} transactions, {n_rows} rows[/]"
     )
     raise typer.Exit(EXIT_PROBLEM)
+
+
+def _print_parked(out: Console, parked: Any) -> None:
+    reason = parked.reason or {}
+    out.print(
+        f"[bold]{parked.tx_id}[/] ({escape(parked.saga)}): "
+        f"{escape(str(reason.get('reason') or reason.get('code') or 'parked'))}"
+        f" at {escape(str(reason.get('step') or '?'))}"
+    )
+    for e in parked.parked:
+        out.print(
+            f"  {e.kind} {escape(e.name)} ({e.provider}.{e.action}) key {e.key}: "
+            f"attempts {e.attempts}, lookups {e.lookups}, last answer {escape(str(e.last_error))}"
+        )
+    for entry in parked.ledger:
+        out.print(
+            f"    #{entry.seq} {utc_iso(entry.created_at)} {escape(entry.action)} "
+            f"{transition(entry)} {escape(compact_json(entry.detail))}",
+            soft_wrap=True,
+        )
+
+
+@review_app.command("list")
+def review_list(db: DbOption = DEFAULT_DB) -> None:
+    """Transactions parked in manual_review, why, and their evidence."""
+    from orchestrator import review
+
+    async def job() -> list[Any]:
+        orch = await _open_for_reading(db)
+        try:
+            return await review.list_parked(orch)
+        finally:
+            await orch.close()
+
+    parked = _run(job())
+    out = _stdout()
+    if not parked:
+        out.print("nothing is waiting for review")
+        return
+    for p in parked:
+        _print_parked(out, p)
+
+
+@review_app.command("show")
+def review_show(tx: str, db: DbOption = DEFAULT_DB) -> None:
+    """One transaction's evidence."""
+    from orchestrator import review
+
+    async def job() -> Any:
+        orch = await _open_for_reading(db)
+        try:
+            return await review.show(orch, tx)
+        finally:
+            await orch.close()
+
+    _print_parked(_stdout(), _run(job()))
+
+
+@review_app.command("resolve")
+def review_resolve(
+    tx: str,
+    op: Annotated[str, typer.Option("--op", help="Step/event name or key of the parked effect.")],
+    as_state: Annotated[str, typer.Option("--as", help="confirmed | failed")],
+    reason: Annotated[str, typer.Option(help="Why: recorded in the ledger.")],
+    operator: Annotated[
+        str, typer.Option(envvar="USER", help="Who decides (recorded).", show_envvar=True)
+    ] = "operator",
+    remote_id: Annotated[str | None, typer.Option(help="The provider's id, if confirmed.")] = None,
+    db: DbOption = DEFAULT_DB,
+) -> None:
+    """Decide a parked effect; the saga then commits or compensates on the next worker pass."""
+    from orchestrator import review
+
+    async def job() -> Any:
+        orch = await _open_for_reading(db)
+        try:
+            return await review.resolve(
+                orch,
+                tx,
+                op,
+                as_state=as_state,
+                reason=reason,
+                operator=operator,
+                remote_id=remote_id,
+            )
+        finally:
+            await orch.close()
+
+    status = _run(job())
+    _stdout().print(f"{tx}: {op} resolved as {as_state}; transaction is now {status.value}")
 
 
 @app.command("worker")

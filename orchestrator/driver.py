@@ -429,6 +429,8 @@ class SagaRun:
     async def _validate_and_commit(self, work: Work) -> Claim | None:
         failures: list[dict[str, Any]] = []
         for op in self.ops:
+            if op.result is None:
+                continue  # confirmed by an operator, not by a provider answer: nothing to echo
             contract = self.services.registry.contract(op.provider, op.action)
             mismatched = echo_mismatches(contract, op.payload, op.result)
             if mismatched:
