@@ -562,3 +562,21 @@ async def count_unsettled(conn: AsyncConnection, kind: EffectKind) -> int:
     unsettled = [EffectState.PENDING.value, EffectState.EXECUTING.value, EffectState.UNKNOWN.value]
     stmt = select(func.count()).select_from(table).where(table.c.state.in_(unsettled))
     return int((await conn.execute(stmt)).scalar_one())
+
+
+async def oldest_unsettled_age_ms(
+    conn: AsyncConnection, kind: EffectKind, now: ColumnElement[int]
+) -> int | None:
+    """How long the oldest pending / executing / in-doubt effect has waited (ms), if any."""
+    table = _TABLES[kind]
+    unsettled = [EffectState.PENDING.value, EffectState.EXECUTING.value, EffectState.UNKNOWN.value]
+    stmt = select(now - func.min(table.c.updated_at)).where(table.c.state.in_(unsettled))
+    value = (await conn.execute(stmt)).scalar_one_or_none()
+    return int(value) if value is not None else None
+
+
+async def count_by_state(conn: AsyncConnection, kind: EffectKind) -> dict[str, int]:
+    """Number of effects of ``kind`` per state."""
+    table = _TABLES[kind]
+    stmt = select(table.c.state, func.count()).group_by(table.c.state)
+    return {str(state): int(n) for state, n in (await conn.execute(stmt)).all()}

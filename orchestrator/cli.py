@@ -539,6 +539,34 @@ def review_resolve(
     _stdout().print(f"{tx}: {op} resolved as {as_state}; transaction is now {status.value}")
 
 
+@app.command("status")
+def status(
+    db: DbOption = DEFAULT_DB,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+) -> None:
+    """Transactions by status, effects by state, manual-review count, outbox lag."""
+
+    async def job() -> dict[str, Any]:
+        orch = await _open_for_reading(db)
+        try:
+            return await orch.status()
+        finally:
+            await orch.close()
+
+    data = _run(job())
+    out = _stdout()
+    if as_json:
+        out.print(json.dumps(data, indent=2, sort_keys=True), soft_wrap=True)
+        return
+    tx = data["transactions"]
+    out.print("transactions: " + (", ".join(f"{k}={v}" for k, v in sorted(tx.items())) or "none"))
+    for kind, states in data["effects"].items():
+        shown = ", ".join(f"{k}={v}" for k, v in sorted(states.items())) or "none"
+        out.print(f"{kind}: {shown}")
+    out.print(f"manual review: {data['manual_review']}")
+    out.print(f"outbox lag: {data['outbox_lag_seconds']:.1f}s")
+
+
 @app.command("worker")
 def worker(
     db: DbOption = DEFAULT_DB,
@@ -552,6 +580,9 @@ def worker(
     ] = None,
     app_ref: Annotated[
         str | None, typer.Option("--app", help="module:attribute giving your providers.")
+    ] = None,
+    metrics_port: Annotated[
+        int | None, typer.Option(min=1, max=65535, help="Serve Prometheus /metrics here.")
     ] = None,
 ) -> None:
     """Recovery loops: resume due transactions, compensate, dispatch the outbox."""

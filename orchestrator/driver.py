@@ -38,6 +38,7 @@ from ledger.transactions import TxClaim
 from orchestrator import expressions, keys
 from orchestrator.config import EngineSettings
 from orchestrator.crashpoints import CrashPoints
+from orchestrator.metrics import Metrics
 from orchestrator.protocol import Decision, decide, echo_mismatches
 from orchestrator.saga import SagaDefinition
 from providers.registry import ProviderRegistry
@@ -53,6 +54,7 @@ class Services:
     registry: ProviderRegistry
     settings: EngineSettings
     crashpoints: CrashPoints
+    metrics: Metrics | None = None
 
 
 def render_payload(template: Any, scope: Mapping[str, Any]) -> tuple[Any, str]:
@@ -97,7 +99,14 @@ class SagaRun:
                     claim = await self._advance(work, eager=eager)
                     crash.hit("record.before_commit", tx_id=self.tx_id, kind="advance")
             else:
-                decision = await self._decide(claim)
+                try:
+                    decision = await self._decide(claim)
+                except LeaseLost:
+                    if self.services.metrics is not None:
+                        self.services.metrics.fence_refusals.inc()
+                        self.services.metrics.lease_losses.inc()
+                    raise
+                self._count(claim, decision)
                 async with store.transaction() as work:
                     await self._keep_lease(work)
                     await self._record(work, claim, decision)
@@ -199,6 +208,14 @@ class SagaRun:
                 return  # the record will be refused by its fence; nothing else to do
             except StorageError as exc:
                 log.warning("heartbeat failed", tx_id=self.tx_id, error=type(exc).__name__)
+
+    def _count(self, claim: Claim, decision: Decision) -> None:
+        m = self.services.metrics
+        if m is None:
+            return
+        m.effects.labels(kind=claim.kind.value, outcome=decision.state.value).inc()
+        if decision.lookups:
+            m.reconciles.inc(decision.lookups)
 
     async def _record(self, work: Work, claim: Claim, decision: Decision) -> None:
         retry_in: int | None = None

@@ -56,6 +56,7 @@ from orchestrator.errors import (
     UnknownActionError,
     UnknownProviderError,
 )
+from orchestrator.metrics import Metrics
 from orchestrator.saga import Saga, SagaDefinition
 from orchestrator.views import SagaResult, TransactionView, result_of, view_of
 from providers.contract import Provider, UnknownAction
@@ -100,7 +101,10 @@ class Orchestrator:
         self.registry = registry or ProviderRegistry()
         self.settings = settings or EngineSettings()
         self.crashpoints = crashpoints or CrashPoints()
-        self._services = Services(store, self.registry, self.settings, self.crashpoints)
+        self.metrics = Metrics()
+        self._services = Services(
+            store, self.registry, self.settings, self.crashpoints, self.metrics
+        )
         self._by_name: dict[str, SagaDefinition] = {}
         self._by_digest: dict[str, SagaDefinition] = {}
         self._stored: set[str] = set()
@@ -573,6 +577,21 @@ class Orchestrator:
         return sum(n for s, n in counts.items() if TxState(s) not in idle) + unsettled
 
     # -- reading --------------------------------------------------------------------------------
+
+    async def status(self) -> dict[str, Any]:
+        """Counts from the database: transactions by status, effects by state, outbox lag."""
+        async with self.store.read() as conn:
+            by_status = await transactions.count_by_status(conn)
+            kinds = {k.value: await effects.count_by_state(conn, k) for k in EffectKind}
+            lag = await effects.oldest_unsettled_age_ms(
+                conn, EffectKind.OUTBOX, self.store.db_now()
+            )
+        return {
+            "transactions": by_status,
+            "effects": kinds,
+            "manual_review": by_status.get(TxState.MANUAL_REVIEW.value, 0),
+            "outbox_lag_seconds": (lag or 0) / 1000,
+        }
 
     async def get(self, tx_id: str) -> TransactionView:
         """The transaction with its operations, reversals and outbox events."""

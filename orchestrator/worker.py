@@ -78,6 +78,7 @@ class Worker:
                 if once and not did and not self._tasks:
                     break
                 if not did:
+                    await self._refresh_metrics()
                     await self._idle()
         finally:
             if self._tasks:
@@ -110,6 +111,12 @@ class Worker:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    async def _refresh_metrics(self) -> None:
+        try:
+            await self.orch.metrics.refresh(self.orch.store)
+        except StorageError as exc:
+            log.warning("metrics refresh failed", error=type(exc).__name__)
+
     async def _idle(self) -> None:
         # Jitter keeps N idle workers from polling the database in lockstep.
         delay = self.poll_seconds * (0.5 + random.random())
@@ -118,10 +125,11 @@ class Worker:
 
     async def _claim(self, limit: int) -> list[transactions.ClaimedTx]:
         s = self.orch.settings
-        async with self.orch.store.transaction() as work:
-            claimed = await transactions.claim_due(
-                work, owner=s.worker_id, lease_ms=s.lease_ms, limit=limit
-            )
+        with self.orch.metrics.claim_latency.time():
+            async with self.orch.store.transaction() as work:
+                claimed = await transactions.claim_due(
+                    work, owner=s.worker_id, lease_ms=s.lease_ms, limit=limit
+                )
         self.stats.claimed += len(claimed)
         return claimed
 
@@ -135,6 +143,7 @@ class Worker:
             status = await self.orch.drive_claimed(claimed, should_stop=lambda: self.stopping)
         except LeaseLost:
             self.stats.lease_lost += 1
+            self.orch.metrics.lease_losses.inc()
             return
         except StorageError as exc:
             self.stats.errors += 1

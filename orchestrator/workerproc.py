@@ -55,6 +55,7 @@ async def run_worker_process(
     poll_seconds: float,
     fake_shop: str | None = None,
     app_ref: str | None = None,
+    metrics_port: int | None = None,
 ) -> WorkerStats:
     """Open the store, serve the providers, run until SIGTERM/SIGINT (or idle, with ``once``)."""
     closers: list[Any] = []
@@ -71,6 +72,8 @@ async def run_worker_process(
         if closer is not None and hasattr(closer, "close"):
             closers.append(closer)
     orch = await Orchestrator.open(url, providers=providers, settings=settings)
+    if metrics_port is not None:
+        orch.metrics.serve(metrics_port)
     worker = Worker(orch, concurrency=concurrency, poll_seconds=poll_seconds)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
