@@ -14,8 +14,14 @@ from providers.fake.shop import FakeShop
 class Urls(Protocol):
     """The pair of database URLs a world lives on."""
 
-    store: str
-    provider: str
+    @property
+    def store(self) -> str: ...
+
+    @property
+    def provider(self) -> str: ...
+
+    @property
+    def backend(self) -> str: ...
 
 
 def fast_settings(**overrides: object) -> EngineSettings:
