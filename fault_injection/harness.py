@@ -21,6 +21,7 @@ from typing import Any
 from sqlalchemy import text
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import create_async_engine
+from sqlalchemy.pool import NullPool
 
 from fault_injection.invariants import CheckReport, check_invariants
 from fault_injection.sagas import STOCK
@@ -73,7 +74,9 @@ async def fresh_databases(db: str | None, workdir: Path) -> AsyncIterator[Databa
     server = make_url(normalize_url(db))
     names = [f"agt_fi_{uuid.uuid4().hex[:10]}", ""]
     names[1] = names[0] + "_provider"
-    admin = create_async_engine(server, isolation_level="AUTOCOMMIT")
+    # NullPool: a fresh connection for the DROP, so a server restart during the run (the
+    # opt-in concurrency scenario) cannot leave a dead pooled connection behind.
+    admin = create_async_engine(server, isolation_level="AUTOCOMMIT", poolclass=NullPool)
     try:
         async with admin.connect() as conn:
             for name in names:

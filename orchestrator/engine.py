@@ -457,7 +457,7 @@ class Orchestrator:
 
     # -- recovery -------------------------------------------------------------------------------
 
-    async def recover(self, *, limit: int = 100) -> RecoveryReport:
+    async def recover(self, *, limit: int = 16) -> RecoveryReport:
         """One recovery pass: claim due transactions (one statement), drive each, then dispatch
         due outbox events of committed transactions."""
         report = RecoveryReport(passes=1)
@@ -547,7 +547,7 @@ class Orchestrator:
             await effects.for_tx(conn, EffectKind.OUTBOX, tx.tx_id),
         )
 
-    async def drain(self, *, timeout_seconds: float = 30.0, limit: int = 100) -> RecoveryReport:
+    async def drain(self, *, timeout_seconds: float = 30.0, limit: int = 16) -> RecoveryReport:
         """Recover until nothing is in flight or ``timeout_seconds`` pass, waiting out backoffs."""
         total = RecoveryReport()
         deadline = time.monotonic() + timeout_seconds

@@ -133,7 +133,11 @@ class FakeProvider:
             seen = outcome
             if kind is FaultKind.INDETERMINATE_5XX:
                 seen = Unknown(_HTTP_503)
-            if kind is FaultKind.LOSE_RESPONSE:
+            if isinstance(outcome, FencedOut):
+                # The log records what the provider decided; the fault column says what then
+                # became of the answer. A refused stale fence must never read as applied.
+                answer = "fenced_out"
+            elif kind is FaultKind.LOSE_RESPONSE:
                 answer = "lost_response"
             elif isinstance(seen, Confirmed) and not created:
                 answer = "replayed"
