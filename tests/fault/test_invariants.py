@@ -28,6 +28,7 @@ from ledger.states import TxState
 from orchestrator import keys
 from orchestrator.crashpoints import SimulatedCrash
 from orchestrator.engine import Orchestrator
+from orchestrator.saga import Saga, Step
 from providers.contract import ActionContract, ApplyOutcome, Confirmed, LookupOutcome, Provider
 from providers.fake import schema as shop_schema
 from providers.fake.actions import ActionSpec
@@ -61,6 +62,24 @@ async def _recover_elsewhere(world: World, **settings: object) -> Orchestrator:
     worker.store.advance_clock(world.orch.settings.lease_seconds + 1)
     await worker.drain(timeout_seconds=10)
     return worker
+
+
+async def _recover_with_forgetful_provider(world: World, action: str) -> None:
+    """Recover through a shop whose clock runs an hour ahead and that prunes its idempotency
+    cache after 60 s: its lookup answers "not found" and a re-send is a second, real effect."""
+    later = await FakeShop.open(
+        world.urls.provider, clock=lambda: time.time() + 3600, dedup_window_seconds=60
+    )
+    try:
+        later.faults.add(FaultRule(FaultKind.FORGET_KEYS, action=action, times=None))
+        worker = await Orchestrator.open(
+            world.urls.store, providers=later.providers(), settings=fast_settings()
+        )
+        world.extra.append(worker)
+        worker.store.advance_clock(world.orch.settings.lease_seconds + 1)
+        await worker.drain(timeout_seconds=10)
+    finally:
+        await later.close()
 
 
 async def _op_key(orch: Orchestrator, tx_id: str, step: str) -> str:
@@ -140,23 +159,7 @@ async def test_clean_run_has_no_violations(world: World) -> None:
 
 async def test_forgotten_key_double_charge_is_caught(world: World) -> None:
     tx_id = await _crash_at(world, "effect.after_apply", "charge")
-    # The recovering worker's provider runs an hour ahead and has pruned its idempotency cache
-    # after 60 s: its lookup answers "not found" and the re-sent charge is a second, real one.
-    later = await FakeShop.open(
-        world.urls.provider, clock=lambda: time.time() + 3600, dedup_window_seconds=60
-    )
-    try:
-        later.faults.add(
-            FaultRule(FaultKind.FORGET_KEYS, provider="payments", action="charge", times=None)
-        )
-        worker = await Orchestrator.open(
-            world.urls.store, providers=later.providers(), settings=fast_settings()
-        )
-        world.extra.append(worker)
-        worker.store.advance_clock(world.orch.settings.lease_seconds + 1)
-        await worker.drain(timeout_seconds=10)
-    finally:
-        await later.close()
+    await _recover_with_forgetful_provider(world, "charge")
     assert (await world.shop.counts())["payments.charge"] == 2  # the money moved twice
 
     report = await _check(world)
@@ -175,7 +178,9 @@ async def test_second_live_charge_for_one_business_intent_is_caught(world: World
     real = payments._specs["refund"]
 
     async def fake_refund(_conn: AsyncConnection, _key: str, payload: Any) -> Confirmed:
-        return Confirmed("re_fake", {"charge_id": payload["charge_id"], "amount": payload["amount"]})
+        return Confirmed(
+            "re_fake", {"charge_id": payload["charge_id"], "amount": payload["amount"]}
+        )
 
     payments._specs["refund"] = ActionSpec(real.contract, real.validate, fake_refund)
     first = await world.orch.execute(order_saga(max_amount=1000), order("42", amount=1500))
@@ -254,6 +259,76 @@ async def test_confirmation_the_provider_never_saw_is_caught(world: World) -> No
     assert {v.tx_id for v in report.violations if v.invariant == 3} == {result.tx_id}
 
 
+async def _set_status(world: World, tx_id: str, status: TxState) -> None:
+    async with _raw(world.urls.store) as conn:
+        await conn.execute(
+            update(transactions)
+            .where(transactions.c.tx_id == tx_id)
+            .values(status=status.value, lease_owner=None, lease_until=None)
+        )
+
+
+async def test_commit_with_an_unconfirmed_op_is_caught(world: World) -> None:
+    tx_id = await _crash_at(world, "commit.before_commit")
+    await _set_status(world, tx_id, TxState.COMMITTED)  # a commit that skipped the record
+
+    report = await _check(world)
+
+    assert "committed_op_not_confirmed" in _found(report, 3), _explain(report)
+    v = next(v for v in report.violations if v.name == "committed_op_not_confirmed")
+    assert v.tx_id == tx_id and v.evidence["op"]["state"] == "executing"
+
+
+async def test_compensated_without_reversals_is_caught(world: World) -> None:
+    result = await world.orch.execute(order_saga(), order("42"))
+    await _set_status(world, result.tx_id, TxState.COMPENSATED)
+
+    report = await _check(world)
+
+    missing = [v for v in report.violations if v.name == "reversal_missing"]
+    assert {v.evidence["op"]["key"] for v in missing} == {
+        await _op_key(world.orch, result.tx_id, "reserve"),
+        await _op_key(world.orch, result.tx_id, "charge"),
+    }, _explain(report)
+
+
+async def test_compensated_with_an_irreversible_effect_is_caught(world: World) -> None:
+    base = order_saga(max_amount=1000)
+    # An irreversible pivot (an email) after the reversible steps: the failing check turns the
+    # saga back, nothing can unsend the email, so the engine parks it. Compensated is a lie.
+    notify = Step("notify", "email", "send", {"to": "buyer@example.com", "template": "paid"})
+    pivot = Saga(
+        "pivot",
+        steps=[*base.steps, notify],
+        inputs=base.inputs,
+        checks=base.checks,
+        business_key=base.business_key,
+    )
+    result = await world.orch.execute(pivot, order("42", amount=1500))
+    assert result.status is TxState.MANUAL_REVIEW  # the charge cannot be reversed
+    assert (await _check(world)).ok
+    await _set_status(world, result.tx_id, TxState.COMPENSATED)
+
+    report = await _check(world)
+
+    assert "irreversible_in_compensated" in _found(report, 3), _explain(report)
+
+
+async def test_reversal_missing_at_the_provider_is_caught(world: World) -> None:
+    result = await world.orch.execute(order_saga(max_amount=1000), order("42", amount=1500))
+    assert result.status is TxState.COMPENSATED
+    async with _raw(world.urls.provider) as conn:
+        await conn.execute(
+            shop_schema.effects.delete().where(shop_schema.effects.c.action == "refund")
+        )
+
+    report = await _check(world)
+
+    assert {"reversal_not_at_provider", "unbacked_confirmation"} <= _found(report, 3), _explain(
+        report
+    )
+
+
 # -- 4: no outbox effect before the commit ----------------------------------------------------
 
 
@@ -294,6 +369,18 @@ async def test_stray_notification_is_caught(world: World) -> None:
     assert _found(report, 4) == {"outbox_without_event"}, _explain(report)
 
 
+async def test_receipt_sent_twice_is_caught(world: World) -> None:
+    tx_id = await _crash_at(world, "effect.after_apply", "receipt")
+    await _recover_with_forgetful_provider(world, "send")
+    assert (await world.shop.counts())["email.send"] == 2
+
+    report = await _check(world)
+
+    assert _found(report, 4) == {"outbox_sent_twice"}, _explain(report)
+    v = next(v for v in report.violations if v.invariant == 4)
+    assert v.tx_id == tx_id and len(v.evidence["provider_effects"]) == 2
+
+
 async def test_outbox_ledger_row_before_the_commit_is_caught(world: World) -> None:
     result = await world.orch.execute(order_saga(), order("42"))
     # Move the transaction's commit row after the outbox rows, as a commit that landed after
@@ -325,8 +412,8 @@ async def test_reclaim_that_skips_the_lookup_is_caught(
 
     report = await _check(world)
 
-    assert _found(report, 5) == {"resend_without_lookup", "ledger_resend_without_lookup"}, (
-        _explain(report)
+    assert _found(report, 5) == {"resend_without_lookup", "ledger_resend_without_lookup"}, _explain(
+        report
     )
     assert not _found(report, 1)
     provider_side = next(v for v in report.violations if v.name == "resend_without_lookup")
@@ -349,7 +436,7 @@ class _PausingProvider:
 
     def __init__(self, inner: Provider, action: str) -> None:
         self.inner, self.action = inner, action
-        self.gate, self.reached = asyncio.Event(), asyncio.Event()
+        self.gate, self.reached, self.done = asyncio.Event(), asyncio.Event(), asyncio.Event()
         self.paused = False
 
     @property
@@ -369,6 +456,10 @@ class _PausingProvider:
             self.paused = True
             self.reached.set()
             await self.gate.wait()
+            try:
+                return await self.inner.apply(action, key=key, payload=payload, fence=fence)
+            finally:
+                self.done.set()
         return await self.inner.apply(action, key=key, payload=payload, fence=fence)
 
     async def lookup(
@@ -403,7 +494,12 @@ async def test_provider_that_ignores_fences_is_caught(
     assert v.evidence["stale"]["outcome"] != "fenced_out"
 
 
-async def test_fenced_provider_is_clean(world: World) -> None:
+@pytest.mark.parametrize("fault", [None, FaultKind.LOSE_RESPONSE, FaultKind.FAIL_BEFORE])
+async def test_fenced_out_stale_holder_is_clean(world: World, fault: FaultKind | None) -> None:
+    # The healthy holder's apply passes; a fault on the stale one relabels its log row
+    # ("lost_response" hides the fenced_out, "unavailable" never reached the fence check).
+    if fault is not None:
+        world.shop.faults.add(FaultRule(fault, provider="payments", action="charge", skip=1))
     paused = _PausingProvider(world.shop.payments, "charge")
     stale = await world.engine(call_timeout_seconds=30)
     stale.register_provider(paused)
@@ -412,7 +508,60 @@ async def test_fenced_provider_is_clean(world: World) -> None:
     await _recover_elsewhere(world)
     paused.gate.set()
     await asyncio.wait_for(task, 10)
+    assert (await world.shop.counts())["payments.charge"] == 1
+    charge = (await world.shop.effects("payments.charge"))[0]
+    last = (await world.shop.calls(key=charge.key))[-1]  # the stale holder's apply
+    assert (last.fence, last.outcome) == (
+        1,
+        "unavailable" if fault is FaultKind.FAIL_BEFORE else "fenced_out",
+    )
+
     report = await _check(world)
+
+    assert report.ok, _explain(report)
+
+
+class _AfterLookup(_PausingProvider):
+    """Lets ``stale``'s held apply land right after this holder's lookup, before its apply."""
+
+    def __init__(self, inner: Provider, stale: _PausingProvider) -> None:
+        super().__init__(inner, action="")
+        self.stale = stale
+
+    async def lookup(
+        self, action: str, *, key: str, payload: Mapping[str, Any], void_if_missing: bool = False
+    ) -> LookupOutcome:
+        answer = await super().lookup(
+            action, key=key, payload=payload, void_if_missing=void_if_missing
+        )
+        self.stale.gate.set()
+        await asyncio.wait_for(self.stale.done.wait(), 10)
+        return answer
+
+
+async def test_old_apply_landing_after_the_new_holders_lookup_is_clean(world: World) -> None:
+    # lookup (new holder: not found), apply fence 1 (old holder, in flight all along), apply
+    # fence 2 (new holder: replayed). No one re-sent blindly and the key deduplicated.
+    paused = _PausingProvider(world.shop.payments, "charge")
+    stale = await world.engine(call_timeout_seconds=30)
+    stale.register_provider(paused)
+    task = asyncio.create_task(stale.execute(order_saga(), order("42"), budget_seconds=0))
+    await asyncio.wait_for(paused.reached.wait(), 10)
+    healthy = await world.engine()
+    healthy.register_provider(_AfterLookup(world.shop.payments, paused))
+    healthy.store.advance_clock(world.orch.settings.lease_seconds + 1)
+    await healthy.drain(timeout_seconds=10)
+    await asyncio.wait_for(task, 10)
+    charge = (await world.shop.effects("payments.charge"))[0]
+    calls = [(c.call, c.fence, c.outcome) for c in await world.shop.calls(key=charge.key)]
+    assert calls == [
+        ("lookup", None, "not_found"),
+        ("apply", 1, "confirmed"),
+        ("apply", 2, "replayed"),
+    ]
+
+    report = await _check(world)
+
     assert report.ok, _explain(report)
 
 
@@ -436,6 +585,31 @@ async def test_stale_holder_row_in_the_ledger_is_caught(world: World) -> None:
     report = await _check(world)
 
     assert _found(report, 6) == {"ledger_fence_mismatch"}, _explain(report)
+    assert not _found(report, 7)
+
+
+async def test_reused_fence_in_the_ledger_is_caught(world: World) -> None:
+    result = await world.orch.execute(order_saga(), order("42"))
+    charge_key = await _op_key(world.orch, result.tx_id, "charge")
+    # A second claim that handed out fence 1 again, and its outcome: chained, replay-consistent.
+    async with world.orch.store.transaction() as work:
+        chain = await events.chain_of(work.conn, result.tx_id)
+        for action, from_state, to_state in (
+            ("claim", "pending", "executing"),
+            ("apply", "executing", "confirmed"),
+        ):
+            work.log(
+                chain,
+                action=action,
+                subject=charge_key,
+                from_state=from_state,
+                to_state=to_state,
+                detail={"fence": 1},
+            )
+
+    report = await _check(world)
+
+    assert _found(report, 6) == {"ledger_fence_regressed"}, _explain(report)
     assert not _found(report, 7)
 
 
@@ -508,7 +682,10 @@ async def test_provider_holding_another_payload_is_caught(world: World) -> None:
 @pytest.mark.parametrize(
     ("error", "problem"),
     [
-        ({"code": "provider_rejected", "step": "charge", "reason": "injected_rejection"}, "provider"),
+        (
+            {"code": "provider_rejected", "step": "charge", "reason": "injected_rejection"},
+            "provider",
+        ),
         ({"code": "manual_review", "step": "charge", "reason": "ResponseLost: boom"}, "exception"),
         ({"code": "manual_review", "reason": "SELECT * FROM effects WHERE 1"}, "SQL"),
         ({"code": "card_declined", "step": "charge"}, "unregistered"),
