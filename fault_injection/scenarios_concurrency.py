@@ -3,6 +3,7 @@ PostgreSQL) the database going away under the workers: connections killed, serve
 
 Workers are separate engines (one per simulated process) driven as asyncio tasks; their
 database clocks run past the dead holders' leases, so every one of them may claim everything.
+On PostgreSQL one scenario also races real ``agent-txn worker`` processes.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import asyncio
 import contextlib
 import os
 import shutil
+import sys
 import time
 import traceback
 from collections import Counter
@@ -425,6 +427,58 @@ async def server_restart_during_recovery(
     )
 
 
+async def k_worker_processes_drain(
+    harness: Harness, *, workers: int = 4, sagas: int = 24
+) -> ScenarioResult:
+    """PostgreSQL: ``sagas`` orders die in doubt; ``workers`` separate ``agent-txn worker``
+    processes drain them at once (``SKIP LOCKED`` batches): each order commits exactly once."""
+    run = await ScenarioRun.start(harness, SUITE, "k_worker_processes_drain")
+    for i in range(sagas):
+        tx, inputs = run.new_tx(f"c-proc-{i}")
+        point, name, kind = CRASH_SPOTS[i % len(CRASH_SPOTS)]
+        # A 1 s lease: the worker processes cannot shift their clocks, so the dead holders'
+        # leases must run out for real.
+        orch = await harness.engine(lease_seconds=1.0)
+        orch.crashpoints.arm(point, when=at(tx, name, kind))
+        await run.run_until_crash(orch, orch.execute(order_saga(), inputs, tx_id=tx), point)
+    await asyncio.sleep(1.2)
+    procs = [
+        await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "orchestrator.cli",
+            "worker",
+            "--db",
+            harness.dbs.store,
+            "--fake-shop",
+            harness.dbs.provider,
+            "--once",
+            "--poll-seconds",
+            "0.05",
+            "--concurrency",
+            "4",
+            "--worker-id",
+            f"proc-{i}",
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        for i in range(workers)
+    ]
+    outs = await asyncio.wait_for(asyncio.gather(*(p.communicate() for p in procs)), 180)
+    codes = [p.returncode for p in procs]
+    run.expect(all(c == 0 for c in codes), f"worker exit codes {codes}")
+    run.detail["workers"] = [o[0].decode().strip()[-200:] for o in outs]
+    reader = (await _workers(harness, 1, 0))[0]
+    await reader.drain(timeout_seconds=10)  # anything a process left due (none expected)
+    await _settled(run, reader, sagas)
+    counts = await run.delta()
+    return await run.finish(
+        f"{workers} worker processes drain {sagas} in-doubt sagas",
+        counts_text(counts, "reserve", "charge", "email"),
+        counts=counts,
+    )
+
+
 def with_workers(scenario: Any, workers: int) -> Scenario:
     """``scenario`` with its ``workers`` parameter bound."""
 
@@ -443,6 +497,7 @@ CONCURRENCY_SCENARIOS: list[tuple[str, Scenario]] = [
 
 #: PostgreSQL only: the database connections die under the workers.
 POSTGRES_SCENARIOS: list[tuple[str, Scenario]] = [
+    ("k_worker_processes_drain", k_worker_processes_drain),
     ("connection_loss_during_recovery", connection_loss_during_recovery),
 ]
 

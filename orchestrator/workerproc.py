@@ -71,6 +71,8 @@ async def run_worker_process(
         providers.extend(loaded)
         if closer is not None and hasattr(closer, "close"):
             closers.append(closer)
+    # Every log line of this process names its worker, next to the tx_id / op_key the engine binds.
+    structlog.contextvars.bind_contextvars(worker=settings.worker_id)
     orch = await Orchestrator.open(url, providers=providers, settings=settings)
     if metrics_port is not None:
         orch.metrics.serve(metrics_port)
