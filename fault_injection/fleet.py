@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from fault_injection.harness import Harness
 from fault_injection.sagas import order, order_saga
 from fault_injection.scenarios_concurrency import local_cluster, wait_for_postgres
+from ledger.effects import EffectKind, count_unsettled
 from ledger.states import TX_TERMINAL, TxState
 from ledger.transactions import count_by_status
 from orchestrator.crashpoints import SimulatedCrash
@@ -118,10 +119,12 @@ async def run_fleet(
             try:
                 async with reader.store.read() as conn:
                     report.statuses = await count_by_status(conn)
+                    unsent = await count_unsettled(conn, EffectKind.OUTBOX)
             except Exception:  # the server is restarting: ask again
                 await asyncio.sleep(0.2)
                 continue
-            if sum(n for s, n in report.statuses.items() if s in SETTLED) >= sagas:
+            settled = sum(n for s, n in report.statuses.items() if s in SETTLED)
+            if settled >= sagas and unsent == 0:
                 break
             if elapsed > deadline_seconds:
                 break

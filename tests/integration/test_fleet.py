@@ -39,7 +39,7 @@ async def test_fleet_survives_a_kill_and_a_server_restart(db_urls: DbUrls, tmp_p
             kill_one_after=3.0,
             restart_after=6.0,
             faults=FAULTS,
-            timeout=400,
+            deadline_seconds=400,
         )
     finally:
         await harness.close()
