@@ -9,15 +9,15 @@ while every scenario shares one database pair.
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from fault_injection.harness import Harness
+from fault_injection.holding import HoldingProvider
 from fault_injection.results import ScenarioResult
 from fault_injection.sagas import order, order_saga
 from ledger.states import EffectState, TxState
@@ -26,7 +26,6 @@ from orchestrator.crashpoints import SimulatedCrash
 from orchestrator.engine import Orchestrator
 from orchestrator.saga import Saga
 from orchestrator.views import TransactionView
-from providers.contract import ActionContract, ApplyOutcome, LookupOutcome, Provider
 from providers.fake.faults import FaultKind, FaultPlan, FaultRule
 from providers.fake.shop import COUNTED_ACTIONS
 
@@ -212,65 +211,6 @@ async def retire_engines(harness: Harness) -> None:
     for orch in list(harness.engines):
         await orch.close()
     harness.engines.clear()
-
-
-class HoldingProvider:
-    """Delegates to ``inner`` but freezes the first apply of ``action`` until :attr:`gate` opens.
-
-    ``hold="request"`` freezes it before the provider sees it (a request still in flight);
-    ``hold="answer"`` lets the provider act and freezes the answer (a worker paused after the
-    call). Either way the holder's lease can run out meanwhile, as in a long GC pause.
-    """
-
-    def __init__(
-        self, inner: Provider, action: str, *, hold: Literal["request", "answer"] = "request"
-    ) -> None:
-        self.inner = inner
-        self.action = action
-        self.hold = hold
-        self.gate = asyncio.Event()
-        self.reached = asyncio.Event()
-        self._held = False
-        #: ``void_if_missing`` of every lookup the engine made through this provider.
-        self.voids: list[bool] = []
-
-    @property
-    def name(self) -> str:
-        """The wrapped provider's name."""
-        return self.inner.name
-
-    def contract(self, action: str) -> ActionContract:
-        """The wrapped provider's contract."""
-        return self.inner.contract(action)
-
-    def actions(self) -> Mapping[str, ActionContract]:
-        """The wrapped provider's actions."""
-        return self.inner.actions()
-
-    async def apply(
-        self, action: str, *, key: str, payload: Mapping[str, Any], fence: int
-    ) -> ApplyOutcome:
-        """The inner apply, the first one of :attr:`action` frozen as configured."""
-        if action != self.action or self._held:
-            return await self.inner.apply(action, key=key, payload=payload, fence=fence)
-        self._held = True
-        if self.hold == "request":
-            self.reached.set()
-            await self.gate.wait()
-            return await self.inner.apply(action, key=key, payload=payload, fence=fence)
-        outcome = await self.inner.apply(action, key=key, payload=payload, fence=fence)
-        self.reached.set()
-        await self.gate.wait()
-        return outcome
-
-    async def lookup(
-        self, action: str, *, key: str, payload: Mapping[str, Any], void_if_missing: bool = False
-    ) -> LookupOutcome:
-        """The inner lookup (its ``void_if_missing`` recorded)."""
-        self.voids.append(void_if_missing)
-        return await self.inner.lookup(
-            action, key=key, payload=payload, void_if_missing=void_if_missing
-        )
 
 
 async def calls_of(harness: Harness, key: str) -> list[str]:

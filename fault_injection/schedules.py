@@ -34,6 +34,7 @@ from sqlalchemy.engine import make_url
 
 from fault_injection import shrink as shrinking
 from fault_injection.harness import DatabasePair, Harness, fresh_databases
+from fault_injection.holding import HoldingProvider
 from fault_injection.results import ScenarioResult
 from fault_injection.sagas import STOCK, order_saga
 from ledger import schema
@@ -41,7 +42,6 @@ from ledger.states import TX_TERMINAL, EffectState, TxState
 from orchestrator.crashpoints import POINTS, SimulatedCrash
 from orchestrator.engine import Orchestrator
 from orchestrator.saga import Saga
-from providers.contract import ActionContract, ApplyOutcome, JsonObject, LookupOutcome, Provider
 from providers.fake.faults import FaultKind, FaultRule
 from providers.fake.shop import FakeShop
 
@@ -546,44 +546,6 @@ async def open_harness(dbs: DatabasePair, *, dedup_window_seconds: float = 86400
 # -- running one schedule -----------------------------------------------------------------------
 
 
-class _PausingProvider:
-    """Delegates to ``inner`` but holds the first apply of ``action`` until ``gate`` opens
-    (a worker frozen by a long GC pause while its lease runs out)."""
-
-    def __init__(self, inner: Provider, action: str) -> None:
-        self.inner = inner
-        self.action = action
-        self.gate = asyncio.Event()
-        self.reached = asyncio.Event()
-        self._paused = False
-
-    @property
-    def name(self) -> str:
-        return self.inner.name
-
-    def contract(self, action: str) -> ActionContract:
-        return self.inner.contract(action)
-
-    def actions(self) -> Mapping[str, ActionContract]:
-        return self.inner.actions()
-
-    async def apply(
-        self, action: str, *, key: str, payload: JsonObject, fence: int
-    ) -> ApplyOutcome:
-        if action == self.action and not self._paused:
-            self._paused = True
-            self.reached.set()
-            await self.gate.wait()
-        return await self.inner.apply(action, key=key, payload=payload, fence=fence)
-
-    async def lookup(
-        self, action: str, *, key: str, payload: JsonObject, void_if_missing: bool = False
-    ) -> LookupOutcome:
-        return await self.inner.lookup(
-            action, key=key, payload=payload, void_if_missing=void_if_missing
-        )
-
-
 class EnginePool:
     """Engines ("processes") that outlive one schedule: a caller that runs the sagas one after
     the other, and recovery workers. A process that crashes is abandoned and never comes back;
@@ -653,7 +615,7 @@ def _settings_key(settings: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
 @dataclass
 class _Stale:
     task: asyncio.Task[Any]
-    gate: _PausingProvider
+    gate: HoldingProvider
     engine: Orchestrator
 
 
@@ -750,7 +712,7 @@ class _Run:
         settings = {**self.settings(), "call_timeout_seconds": STALE_CALL_TIMEOUT_S}
         orch = await self.harness.engine(**settings)
         inner = {p.name: p for p in self.harness.shop.providers()}[pause.provider]
-        gate = _PausingProvider(inner, pause.action)
+        gate = HoldingProvider(inner, pause.action)
         orch.register_provider(gate)
         self._arm(orch, crash)
         task = asyncio.create_task(

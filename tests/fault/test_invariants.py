@@ -19,6 +19,7 @@ import pytest
 from sqlalchemy import insert, select, text, update
 from sqlalchemy.ext.asyncio import AsyncConnection, create_async_engine
 
+from fault_injection.holding import HoldingProvider
 from fault_injection.invariants import CheckReport, check_invariants
 from ledger import events
 from ledger.effects import Claim
@@ -29,7 +30,7 @@ from orchestrator import keys
 from orchestrator.crashpoints import SimulatedCrash
 from orchestrator.engine import Orchestrator
 from orchestrator.saga import Saga, Step
-from providers.contract import ActionContract, ApplyOutcome, Confirmed, LookupOutcome, Provider
+from providers.contract import Confirmed, LookupOutcome, Provider
 from providers.fake import schema as shop_schema
 from providers.fake.actions import ActionSpec
 from providers.fake.faults import FaultKind, FaultRule
@@ -430,44 +431,8 @@ async def test_lookup_then_resend_is_clean(world: World) -> None:
 # -- 6: fencing -------------------------------------------------------------------------------
 
 
-class _PausingProvider:
-    """Holds the first apply of ``action`` until ``gate`` opens (a worker frozen in a GC pause
-    while its lease runs out)."""
-
-    def __init__(self, inner: Provider, action: str) -> None:
-        self.inner, self.action = inner, action
-        self.gate, self.reached, self.done = asyncio.Event(), asyncio.Event(), asyncio.Event()
-        self.paused = False
-
-    @property
-    def name(self) -> str:
-        return self.inner.name
-
-    def contract(self, action: str) -> ActionContract:
-        return self.inner.contract(action)
-
-    def actions(self) -> Mapping[str, ActionContract]:
-        return self.inner.actions()
-
-    async def apply(
-        self, action: str, *, key: str, payload: Mapping[str, Any], fence: int
-    ) -> ApplyOutcome:
-        if action == self.action and not self.paused:
-            self.paused = True
-            self.reached.set()
-            await self.gate.wait()
-            try:
-                return await self.inner.apply(action, key=key, payload=payload, fence=fence)
-            finally:
-                self.done.set()
-        return await self.inner.apply(action, key=key, payload=payload, fence=fence)
-
-    async def lookup(
-        self, action: str, *, key: str, payload: Mapping[str, Any], void_if_missing: bool = False
-    ) -> LookupOutcome:
-        return await self.inner.lookup(
-            action, key=key, payload=payload, void_if_missing=void_if_missing
-        )
+# The suite's own frozen-call wrapper (a worker in a long GC pause).
+_PausingProvider = HoldingProvider
 
 
 async def test_provider_that_ignores_fences_is_caught(

@@ -3,57 +3,22 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
 from typing import Any
 
 import pytest
 
+from fault_injection.holding import HoldingProvider
 from ledger import effects, events
 from ledger.effects import EffectKind
 from ledger.errors import LeaseLost
 from ledger.states import EffectState, TxState
 from orchestrator.crashpoints import SimulatedCrash
-from providers.contract import ActionContract, ApplyOutcome, FencedOut, LookupOutcome, Provider
+from providers.contract import FencedOut
 from tests.support.sagas import order, order_saga
 from tests.support.world import World
 
-
-class PausingProvider:
-    """Delegates to ``inner`` but holds the first apply of ``action`` until ``gate`` opens
-    (a worker frozen by a long GC pause while its lease runs out)."""
-
-    def __init__(self, inner: Provider, action: str) -> None:
-        self.inner = inner
-        self.action = action
-        self.gate = asyncio.Event()
-        self.reached = asyncio.Event()
-        self.paused_once = False
-
-    @property
-    def name(self) -> str:
-        return self.inner.name
-
-    def contract(self, action: str) -> ActionContract:
-        return self.inner.contract(action)
-
-    def actions(self) -> Mapping[str, ActionContract]:
-        return self.inner.actions()
-
-    async def apply(
-        self, action: str, *, key: str, payload: Mapping[str, Any], fence: int
-    ) -> ApplyOutcome:
-        if action == self.action and not self.paused_once:
-            self.paused_once = True
-            self.reached.set()
-            await self.gate.wait()
-        return await self.inner.apply(action, key=key, payload=payload, fence=fence)
-
-    async def lookup(
-        self, action: str, *, key: str, payload: Mapping[str, Any], void_if_missing: bool = False
-    ) -> LookupOutcome:
-        return await self.inner.lookup(
-            action, key=key, payload=payload, void_if_missing=void_if_missing
-        )
+#: A worker frozen by a long GC pause (imported by the HTTP adapter's tests too).
+PausingProvider = HoldingProvider
 
 
 async def test_paused_worker_is_fenced_at_store_and_provider(world: World) -> None:
