@@ -1,0 +1,404 @@
+"""The benchmark behind ``agent-txn bench``: the order saga end to end, and the driver's own limit.
+
+One run, on one pair of databases (ours and, for ``--provider fake``, the shop's):
+
+1. warm-up: ``warmup`` sagas executed and drained (imports, statement caches, pool, definition
+   row), then the counters are snapshotted;
+2. the measured phase: ``sagas`` executions of :func:`~fault_injection.sagas.order_saga`
+   (reserve + charge; the receipt email goes through the outbox), ``concurrency`` in flight as
+   asyncio tasks (one at a time when it is 1), then :meth:`Orchestrator.drain` until the outbox is
+   empty. Throughput covers the whole phase, drain included, because the email is part of the
+   saga's work; latency is per ``execute`` call;
+3. the driver's small-commit rate on the *same* database with the *same* engine settings
+   (:func:`ledger.dialects.create_engine`): tiny ``INSERT`` + commit transactions on a scratch
+   table for ``driver_seconds``. Measuring it in the same run is what makes ``efficiency``
+   meaningful: disks, servers and machines differ by multiples, the ratio much less;
+4. the bench's own checker: the provider holds exactly one reserve, one charge and one email per
+   saga (warm-up included), no reversal, and nothing is left in flight.
+
+Commits and statements are counted by the store's SQLAlchemy event listeners
+(``orch.store.stats``), never estimated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from sqlalchemy import BigInteger, Column, MetaData, String, Table
+
+from fault_injection.harness import DatabasePair, fresh_databases
+from fault_injection.sagas import STOCK, order, order_saga
+from ledger import dialects
+from ledger.states import TxState
+from orchestrator.config import EngineSettings
+from orchestrator.engine import Orchestrator
+from providers.contract import (
+    ActionContract,
+    ApplyOutcome,
+    JsonObject,
+    LookupOutcome,
+    Provider,
+)
+from providers.fake.shop import FakeShop
+from providers.memory import MemoryShop
+
+ProviderKind = Literal["memory", "fake"]
+PROVIDERS: tuple[ProviderKind, ...] = ("memory", "fake")
+
+#: Effects every happy-path order saga leaves at the provider, exactly once each.
+ONCE_PER_SAGA = ("inventory.reserve", "payments.charge", "email.send")
+#: Effects a happy path must never produce.
+NEVER = ("inventory.release", "payments.refund")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What one run does."""
+
+    sagas: int = 1000
+    concurrency: int = 1
+    provider: ProviderKind = "memory"
+    latency_ms: float = 0.0
+    warmup: int = 20
+    #: How long the driver's small-commit loop runs.
+    driver_seconds: float = 1.5
+    #: The engine's SQLite ``synchronous`` (FULL is its durable default); the driver loop uses
+    #: the same, so the efficiency ratio compares like with like.
+    sqlite_synchronous: str = "FULL"
+    #: Longest wait for the outbox drain before the run is declared failed.
+    drain_timeout_seconds: float = 120.0
+
+    def __post_init__(self) -> None:
+        if self.sagas < 1 or self.concurrency < 1 or self.warmup < 0:
+            raise ValueError("sagas and concurrency must be >= 1, warmup >= 0")
+        if self.provider not in PROVIDERS:
+            raise ValueError(f"provider must be one of {', '.join(PROVIDERS)}")
+        if self.latency_ms < 0 or self.driver_seconds <= 0:
+            raise ValueError("latency_ms must be >= 0 and driver_seconds > 0")
+
+
+@dataclass
+class CheckOutcome:
+    """The bench's own checker: one effect per intent at the provider."""
+
+    ok: bool
+    counts: dict[str, int]
+    expected: int
+    problems: list[str] = field(default_factory=list)
+
+
+@dataclass
+class BenchResult:
+    """Everything a run measured. :meth:`as_json` gives the stable keys."""
+
+    backend: str
+    provider: str
+    sagas: int
+    concurrency: int
+    warmup: int
+    latency_ms: float
+    sagas_per_s: float
+    p50_ms: float
+    p99_ms: float
+    commits_per_saga: float
+    statements_per_saga: float
+    rollbacks_per_saga: float
+    cpu_ms_per_saga: float
+    provider_calls_per_saga: float
+    driver_commits_per_s: float
+    driver_connections: int
+    efficiency: float
+    elapsed_s: float
+    check: CheckOutcome
+
+    def as_json(self) -> dict[str, Any]:
+        """The report under stable keys (``--json``)."""
+        data = asdict(self)
+        data["check_ok"] = self.check.ok
+        return data
+
+
+class InstrumentedProvider:
+    """Wraps a provider: counts every call and, with ``latency_s``, sleeps before each one
+    (a remote service's round trip, without the noise of a real network)."""
+
+    def __init__(self, inner: Provider, latency_s: float, counter: list[int]) -> None:
+        self._inner = inner
+        self._latency_s = latency_s
+        self._counter = counter
+
+    @property
+    def name(self) -> str:
+        """The wrapped provider's name."""
+        return self._inner.name
+
+    def contract(self, action: str) -> ActionContract:
+        """The wrapped provider's contract of ``action``."""
+        return self._inner.contract(action)
+
+    def actions(self) -> Mapping[str, ActionContract]:
+        """The wrapped provider's actions."""
+        return self._inner.actions()
+
+    async def apply(
+        self, action: str, *, key: str, payload: JsonObject, fence: int
+    ) -> ApplyOutcome:
+        """Count, wait ``latency_s``, then apply."""
+        self._counter[0] += 1
+        if self._latency_s:
+            await asyncio.sleep(self._latency_s)
+        return await self._inner.apply(action, key=key, payload=payload, fence=fence)
+
+    async def lookup(
+        self, action: str, *, key: str, payload: JsonObject, void_if_missing: bool = False
+    ) -> LookupOutcome:
+        """Count, wait ``latency_s``, then look up."""
+        self._counter[0] += 1
+        if self._latency_s:
+            await asyncio.sleep(self._latency_s)
+        return await self._inner.lookup(
+            action, key=key, payload=payload, void_if_missing=void_if_missing
+        )
+
+
+class _Shop:
+    """The provider side of a run: memory or fake, with one way to count effects."""
+
+    def __init__(self, memory: MemoryShop | None, fake: FakeShop | None) -> None:
+        self.memory = memory
+        self.fake = fake
+
+    def providers(self) -> list[Provider]:
+        if self.memory is not None:
+            return self.memory.providers()
+        assert self.fake is not None
+        return self.fake.providers()
+
+    async def counts(self) -> dict[str, int]:
+        if self.memory is not None:
+            return self.memory.counts()
+        assert self.fake is not None
+        return await self.fake.counts()
+
+    def duplicates(self) -> list[tuple[str, str]]:
+        # The fake shop's effects table has one row per key by constraint; only memory can tell.
+        return self.memory.duplicate_keys() if self.memory is not None else []
+
+
+@asynccontextmanager
+async def _open_shop(kind: ProviderKind, provider_url: str) -> AsyncIterator[_Shop]:
+    if kind == "memory":
+        memory = MemoryShop()
+        memory.seed_stock(STOCK)
+        yield _Shop(memory, None)
+        return
+    fake = await FakeShop.open(provider_url)
+    try:
+        await fake.seed_stock(STOCK)
+        yield _Shop(None, fake)
+    finally:
+        await fake.close()
+
+
+def _percentile(sorted_ms: list[float], q: float) -> float:
+    """Nearest-rank percentile (``q`` in 0..1) of an already sorted list."""
+    if not sorted_ms:
+        return 0.0
+    rank = max(1, min(len(sorted_ms), round(q * len(sorted_ms) + 0.5)))
+    return sorted_ms[rank - 1]
+
+
+async def _run_sagas(
+    orch: Orchestrator, count: int, concurrency: int, prefix: str, latencies: list[float]
+) -> list[str]:
+    """Execute ``count`` order sagas, ``concurrency`` in flight; the problems found."""
+    saga = order_saga()
+    problems: list[str] = []
+    next_index = 0
+
+    async def one_runner() -> None:
+        nonlocal next_index
+        while next_index < count:
+            i = next_index
+            next_index += 1  # no await between the read and the write: tasks never share an i
+            started = time.perf_counter()
+            result = await orch.execute(saga, order(f"{prefix}-{i}"))
+            latencies.append((time.perf_counter() - started) * 1000)
+            if result.status is not TxState.COMMITTED:
+                problems.append(f"saga {prefix}-{i} ended {result.status.value}")
+
+    if concurrency == 1:
+        await one_runner()
+    else:
+        async with asyncio.TaskGroup() as group:
+            for _ in range(min(concurrency, count)):
+                group.create_task(one_runner())
+    return problems
+
+
+_scratch_meta = MetaData()
+_scratch = Table(
+    "bench_scratch",
+    _scratch_meta,
+    Column("id", BigInteger, primary_key=True, autoincrement=False),
+    Column("v", String(16), nullable=False),
+)
+
+
+async def driver_commit_rate(
+    url: str, *, seconds: float, connections: int, sqlite_synchronous: str = "FULL"
+) -> float:
+    """Small commits per second (one-row ``INSERT`` + commit each) through the engine settings
+    the store uses, on ``connections`` connections at once; the scratch table is dropped after."""
+    engine = dialects.create_engine(url, sqlite_synchronous=sqlite_synchronous)
+    try:
+        async with engine.begin() as conn:
+            await conn.run_sync(_scratch_meta.drop_all)
+            await conn.run_sync(_scratch_meta.create_all)
+        done = [0]
+        deadline = time.perf_counter() + seconds
+
+        async def loop(lane: int) -> None:
+            async with engine.connect() as conn:
+                i = 0
+                while time.perf_counter() < deadline:
+                    async with conn.begin():
+                        await conn.execute(_scratch.insert(), {"id": lane * 10**9 + i, "v": "x"})
+                    i += 1
+                    done[0] += 1
+
+        started = time.perf_counter()
+        async with asyncio.TaskGroup() as group:
+            for lane in range(connections):
+                group.create_task(loop(lane))
+        elapsed = time.perf_counter() - started
+        async with engine.begin() as conn:
+            await conn.run_sync(_scratch_meta.drop_all)
+        return done[0] / elapsed
+    finally:
+        await engine.dispose()
+
+
+async def _check(shop: _Shop, orch: Orchestrator, expected: int) -> CheckOutcome:
+    counts = await shop.counts()
+    problems = [
+        f"{name}: {counts.get(name, 0)} effects for {expected} intents"
+        for name in ONCE_PER_SAGA
+        if counts.get(name, 0) != expected
+    ]
+    problems += [f"{name}: {counts[name]} on a happy path" for name in NEVER if counts.get(name)]
+    problems += [f"{p}: key {k} took effect more than once" for p, k in shop.duplicates()]
+    left = await orch.in_flight()
+    if left:
+        problems.append(f"{left} transactions or outbox events still in flight")
+    return CheckOutcome(not problems, counts, expected, problems)
+
+
+async def run_bench(
+    config: BenchConfig,
+    *,
+    db: str | None = None,
+    urls: DatabasePair | None = None,
+    workdir: Path | None = None,
+) -> BenchResult:
+    """One benchmark run. ``urls`` reuses an existing pair of empty databases (tests);
+    otherwise ``db`` (omitted: SQLite files; a PostgreSQL URL: that server) gets fresh ones,
+    dropped after."""
+    async with AsyncExitStack() as stack:
+        if urls is None:
+            if workdir is None:
+                workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-")))
+            urls = await stack.enter_async_context(fresh_databases(db, workdir))
+        return await _run_on(config, urls)
+    raise AssertionError("unreachable")  # pragma: no cover  (mypy: AsyncExitStack may swallow)
+
+
+async def _run_on(config: BenchConfig, urls: DatabasePair) -> BenchResult:
+    calls = [0]
+    async with _open_shop(config.provider, urls.provider) as shop:
+        wrapped = [
+            InstrumentedProvider(p, config.latency_ms / 1000, calls) for p in shop.providers()
+        ]
+        settings = EngineSettings(
+            worker_id=f"bench-{uuid.uuid4().hex[:8]}",
+            sqlite_synchronous=config.sqlite_synchronous,
+        )
+        orch = await Orchestrator.open(urls.store, providers=wrapped, settings=settings)
+        async with orch:
+            await orch.register(order_saga())
+            problems: list[str] = []
+            if config.warmup:
+                problems += await _run_sagas(orch, config.warmup, config.concurrency, "warm", [])
+                await orch.drain(timeout_seconds=config.drain_timeout_seconds)
+
+            before = orch.store.stats.snapshot()
+            calls_before = calls[0]
+            latencies: list[float] = []
+            cpu_started = time.process_time()
+            started = time.perf_counter()
+            problems += await _run_sagas(orch, config.sagas, config.concurrency, "bench", latencies)
+            await orch.drain(timeout_seconds=config.drain_timeout_seconds)
+            elapsed = time.perf_counter() - started
+            cpu = time.process_time() - cpu_started
+            after = orch.store.stats.snapshot()
+            provider_calls = calls[0] - calls_before
+
+            check = await _check(shop, orch, config.sagas + config.warmup)
+            check.problems[:0] = problems
+            check.ok = check.ok and not problems
+
+        # SQLite has one writer, so more connections only queue on its lock; PostgreSQL scales
+        # with connections up to the store's pool.
+        connections = 1 if urls.backend == "sqlite" else min(config.concurrency, 10)
+        driver = await driver_commit_rate(
+            urls.store,
+            seconds=config.driver_seconds,
+            connections=connections,
+            sqlite_synchronous=config.sqlite_synchronous,
+        )
+
+    n = config.sagas
+    sagas_per_s = n / elapsed
+    commits_per_saga = (after.commits - before.commits) / n
+    ordered = sorted(latencies)
+    return BenchResult(
+        backend=urls.backend,
+        provider=config.provider,
+        sagas=n,
+        concurrency=config.concurrency,
+        warmup=config.warmup,
+        latency_ms=config.latency_ms,
+        sagas_per_s=sagas_per_s,
+        p50_ms=statistics.median(ordered) if ordered else 0.0,
+        p99_ms=_percentile(ordered, 0.99),
+        commits_per_saga=commits_per_saga,
+        statements_per_saga=(after.statements - before.statements) / n,
+        rollbacks_per_saga=(after.rollbacks - before.rollbacks) / n,
+        cpu_ms_per_saga=cpu * 1000 / n,
+        provider_calls_per_saga=provider_calls / n,
+        driver_commits_per_s=driver,
+        driver_connections=connections,
+        efficiency=sagas_per_s * commits_per_saga / driver if driver else 0.0,
+        elapsed_s=elapsed,
+        check=check,
+    )
+
+
+__all__ = [
+    "PROVIDERS",
+    "BenchConfig",
+    "BenchResult",
+    "CheckOutcome",
+    "InstrumentedProvider",
+    "driver_commit_rate",
+    "run_bench",
+]

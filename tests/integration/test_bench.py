@@ -1,0 +1,151 @@
+"""``agent-txn bench`` on both backends: commit economy and one effect per intent, never speed.
+
+Speed belongs in the benchmark (docs/benchmarks.md), not in tests: a loaded CI machine would make
+any wall-clock assertion flaky. What must hold on every machine is counted: commits per
+happy-path saga (DESIGN "Commit economy": at most N + 3 for N = 2 steps and one outbox event)
+and exactly one reserve, charge and email per saga at the provider.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from fault_injection.bench import BenchConfig, run_bench
+from fault_injection.bench_cli import app
+from fault_injection.contract_checks import check_provider_contract
+from fault_injection.harness import DatabasePair
+from providers.contract import Confirmed, FencedOut, Rejected
+from providers.memory import MemoryShop
+from tests.conftest import DbUrls
+
+#: 2 steps + 1 outbox event.
+MAX_COMMITS_PER_SAGA = 2 + 3
+
+
+def _pair(db_urls: DbUrls) -> DatabasePair:
+    return DatabasePair(db_urls.store, db_urls.provider, db_urls.backend)
+
+
+@pytest.mark.parametrize("provider", ["memory", "fake"])
+@pytest.mark.parametrize("concurrency", [1, 4])
+async def test_bench_counts_commits_and_effects(
+    db_urls: DbUrls, provider: str, concurrency: int
+) -> None:
+    config = BenchConfig(
+        sagas=20,
+        concurrency=concurrency,
+        provider="memory" if provider == "memory" else "fake",
+        warmup=2,
+        driver_seconds=0.2,
+    )
+    result = await run_bench(config, urls=_pair(db_urls))
+
+    assert result.check.ok, result.check.problems
+    assert result.check.expected == 22
+    for name in ("inventory.reserve", "payments.charge", "email.send"):
+        assert result.check.counts[name] == 22
+    assert 0 < result.commits_per_saga <= MAX_COMMITS_PER_SAGA
+    assert result.statements_per_saga > result.commits_per_saga
+    assert result.provider_calls_per_saga >= 3
+    assert result.driver_commits_per_s > 0
+    assert result.efficiency > 0
+
+
+def test_bench_cli_writes_stable_json_keys(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    runner = CliRunner()
+    got = runner.invoke(
+        app,
+        ["--sagas", "5", "--warmup", "1", "--driver-seconds", "0.1", "--json", str(out)],
+    )
+    assert got.exit_code == 0, got.output
+    assert "check OK" in got.output
+    data = json.loads(out.read_text())
+    for key in (
+        "sagas_per_s",
+        "p50_ms",
+        "p99_ms",
+        "commits_per_saga",
+        "statements_per_saga",
+        "cpu_ms_per_saga",
+        "driver_commits_per_s",
+        "efficiency",
+        "provider_calls_per_saga",
+        "backend",
+        "sagas",
+        "concurrency",
+        "provider",
+    ):
+        assert key in data
+    assert data["backend"] == "sqlite"
+    assert data["sagas"] == 5
+
+
+def test_bench_cli_refuses_unknown_provider() -> None:
+    got = CliRunner().invoke(app, ["--provider", "http"])
+    assert got.exit_code == 2
+
+
+@pytest.mark.parametrize(
+    ("provider", "action", "payload", "other"),
+    [
+        ("inventory", "reserve", {"sku": "sku-1", "quantity": 1}, {"sku": "sku-1", "quantity": 2}),
+        (
+            "payments",
+            "charge",
+            {"amount": 100, "currency": "EUR"},
+            {"amount": 9, "currency": "EUR"},
+        ),
+        (
+            "email",
+            "send",
+            {"to": "a@example.com", "template": "t"},
+            {"to": "b@x.y", "template": "t"},
+        ),
+    ],
+)
+async def test_memory_provider_keeps_the_fake_shops_contracts(
+    provider: str, action: str, payload: dict[str, object], other: dict[str, object]
+) -> None:
+    """The memory provider promises what the fake shop promises, probed by the contract checks."""
+    shop = MemoryShop()
+    shop.seed_stock({"sku-1": 10})
+    target = {p.name: p for p in shop.providers()}[provider]
+    checks = await check_provider_contract(target, action, payload, other_payload=other)
+    assert all(c.passed for c in checks), [c for c in checks if not c.passed]
+
+
+async def test_memory_provider_effects_and_reversals() -> None:
+    shop = MemoryShop()
+    shop.seed_stock({"sku-1": 1})
+    first = await shop.inventory.apply(
+        "reserve", key="k1", payload={"sku": "sku-1", "quantity": 1}, fence=2
+    )
+    assert isinstance(first, Confirmed)
+    assert shop.stock("sku-1") == 0
+    # Out of stock is a definite rejection; a stale fence on a known key is refused outright.
+    assert isinstance(
+        await shop.inventory.apply(
+            "reserve", key="k2", payload={"sku": "sku-1", "quantity": 1}, fence=1
+        ),
+        Rejected,
+    )
+    assert await shop.inventory.apply(
+        "reserve", key="k1", payload={"sku": "sku-1", "quantity": 1}, fence=1
+    ) == FencedOut(2)
+    released = await shop.inventory.apply(
+        "release", key="r1", payload={"reservation_id": first.remote_id}, fence=1
+    )
+    assert isinstance(released, Confirmed)
+    again = await shop.inventory.apply(
+        "release", key="r2", payload={"reservation_id": first.remote_id}, fence=1
+    )
+    assert again == Rejected("already_released")
+    assert shop.stock("sku-1") == 1
+    assert shop.counts()["inventory.reserve"] == 1
+    assert shop.counts()["inventory.release"] == 1
+    assert shop.duplicate_keys() == []
