@@ -27,9 +27,15 @@ from sqlalchemy.sql.elements import ColumnElement
 
 from ledger import dialects
 from ledger.canonical import canonical_json, sha256_hex
+from ledger.errors import DuplicateKey, LeaseLost
 from ledger.schema import ledger as ledger_table
 
 GENESIS_HASH = "0" * 64
+
+
+def _is_ledger_chain(constraint: str) -> bool:
+    # PostgreSQL names the constraint; SQLite names its first column ("ledger.tx_id,").
+    return constraint == "uq_ledger_tx_id_prev_hash" or constraint.startswith("ledger.")
 
 
 @dataclass
@@ -256,6 +262,10 @@ class Store:
                 await work.flush()
         except Exception as exc:
             translated = dialects.translate(exc)
+            if isinstance(translated, DuplicateKey) and _is_ledger_chain(translated.what):
+                # Our in-memory chain head is stale: another holder appended to this
+                # transaction's ledger since we last saw it, i.e. it holds the transaction now.
+                raise LeaseLost("ledger chain (another holder wrote this transaction)", 0) from exc
             if translated is not None and translated is not exc:
                 raise translated from exc
             raise

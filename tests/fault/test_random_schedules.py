@@ -221,3 +221,18 @@ async def test_replay__a_forgotten_key_past_the_window_is_parked_not_failed(
     assert result.detail["outcomes"] == {"manual_review": 1}
     assert result.faults["forget_keys"] >= 1  # the provider really forgot the key
     assert result.repro == "agent-txn fault-inject replay shrunk-42-70.json"
+
+
+async def test_replay__a_stale_holder_behind_a_moved_ledger_chain_loses_its_lease(
+    db_urls: DbUrls, tmp_path: Path
+) -> None:
+    # Found by the 10 000-schedule soak (seed 20261202, index 2447): a paused worker woke after
+    # a recovering worker had appended to the same transaction's ledger. Its write was refused
+    # by UNIQUE(tx_id, prev_hash) — safe — but surfaced as a raw DuplicateKey instead of the
+    # lease loss it is.
+    schedule = generate(20261202, 2447)
+    result = await run_fresh(
+        schedule, None if db_urls.backend == "sqlite" else db_urls.store, tmp_path
+    )
+    assert result.passed, result.line
+    assert not result.detail.get("errors")
