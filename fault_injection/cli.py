@@ -193,3 +193,54 @@ def check(
     report = asyncio.run(check_invariants(db, provider_db, require_settled=settled))
     out.print(json.dumps(report.to_json(), indent=2, default=str))
     raise typer.Exit(0 if report.ok else 1)
+
+
+@app.command("fleet")
+def fleet(
+    db: Annotated[str, typer.Option(help="A PostgreSQL server URL (fresh databases are made).")],
+    sagas: Annotated[int, typer.Option(min=1, help="In-doubt sagas to recover.")] = 1000,
+    workers: Annotated[int, typer.Option(min=1, max=64, help="Worker processes.")] = 4,
+    kill_one_after: Annotated[
+        float | None, typer.Option(help="SIGKILL a worker after S s.")
+    ] = None,
+    restart_after: Annotated[
+        float | None, typer.Option(help="Restart the local PostgreSQL after S s.")
+    ] = None,
+    faults: Annotated[str, typer.Option(help="kind:provider.action:skip:times,…")] = "",
+) -> None:
+    """Recovery time of N in-doubt sagas with W real worker processes; invariants checked."""
+    from fault_injection.fleet import run_fleet
+    from fault_injection.harness import Harness, fresh_databases
+    from fault_injection.invariants import check_invariants
+
+    async def job() -> dict[str, Any]:
+        with tempfile.TemporaryDirectory(prefix="agent-txn-fleet-") as tmp:
+            async with fresh_databases(db, Path(tmp)) as dbs:
+                harness = await Harness.open(dbs)
+                try:
+                    report = await run_fleet(
+                        harness,
+                        sagas=sagas,
+                        workers=workers,
+                        kill_one_after=kill_one_after,
+                        restart_after=restart_after,
+                        faults=faults,
+                        deadline_seconds=3600,
+                    )
+                finally:
+                    await harness.close()
+                checked = await check_invariants(dbs.store, dbs.provider)
+        return {
+            "sagas": sagas,
+            "workers": workers,
+            "seconds_to_settle": round(report.seconds_to_settle, 1),
+            "sagas_per_s": round(report.sagas_per_s, 1),
+            "statuses": report.statuses,
+            "killed": report.killed,
+            "restarted": report.restarted,
+            "invariant_violations": len(checked.violations),
+        }
+
+    result = asyncio.run(job())
+    _console().print(json.dumps(result, indent=2))
+    raise typer.Exit(0 if result["invariant_violations"] == 0 else 1)
