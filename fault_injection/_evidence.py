@@ -242,32 +242,11 @@ async def _load_ours(snap: Snapshot, store: Store, tx_ids: Collection[str] | Non
         snap.comps = await _rows(conn, compensation_steps, "tx_id", ids)
         snap.events = await _rows(conn, outbox, "tx_id", ids)
         for row in await _rows(conn, ledger, "tx_id", ids):
-            snap.ledger.setdefault(row["tx_id"], []).append(_entry(row))
+            snap.ledger.setdefault(row["tx_id"], []).append(events.entry_from_row(row))
         for tx_id in snap.txs:
             # verify() re-reads the rows; it is the one definition of "the ledger verifies".
             snap.ledger_problems[tx_id] = await events.verify(conn, tx_id)
         snap.triggers, snap.expected_triggers = await _triggers(conn, store.dialect)
-
-
-def _entry(row: dict[str, Any]) -> LedgerEntry:
-    text_ = str(row["detail"])
-    try:
-        detail = json.loads(text_)
-    except ValueError:
-        detail = {"unparsable": True}
-    return LedgerEntry(
-        seq=int(row["seq"]),
-        tx_id=row["tx_id"],
-        subject=row["subject"],
-        action=row["action"],
-        from_state=row["from_state"],
-        to_state=row["to_state"],
-        detail=detail if isinstance(detail, dict) else {"value": detail},
-        detail_text=text_,
-        created_at=int(row["created_at"]),
-        prev_hash=row["prev_hash"],
-        hash=row["hash"],
-    )
 
 
 async def _triggers(conn: AsyncConnection, dialect: str) -> tuple[set[str], set[str]]:

@@ -53,7 +53,7 @@ class LedgerProblem:
 async def read(conn: AsyncConnection, tx_id: str) -> list[LedgerEntry]:
     """A transaction's ledger in order."""
     stmt = select(ledger).where(ledger.c.tx_id == tx_id).order_by(ledger.c.seq)
-    return [_entry(row._mapping) for row in (await conn.execute(stmt)).all()]
+    return [entry_from_row(row._mapping) for row in (await conn.execute(stmt)).all()]
 
 
 async def chain_of(conn: AsyncConnection, tx_id: str) -> Chain:
@@ -78,7 +78,8 @@ async def chains_of(conn: AsyncConnection, tx_ids: Iterable[str]) -> dict[str, C
     return {tx_id: Chain(tx_id=tx_id, head=heads.get(tx_id, GENESIS_HASH)) for tx_id in ids}
 
 
-def _entry(m: Any) -> LedgerEntry:
+def entry_from_row(m: Any) -> LedgerEntry:
+    """A :class:`LedgerEntry` from a ledger row mapping (detail parsed, its text kept)."""
     text = str(m["detail"])
     try:
         detail = json.loads(text)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -431,7 +431,9 @@ class SagaRun:
         """Give the transaction lease back; recovery resumes it when its effect is due."""
         await transactions.release(work, self.txc, retry_in_ms=self.retry_hint_ms)
 
-    async def _park(self, work: Work, step: str, reason: str) -> None:
+    async def _park(
+        self, work: Work, step: str, reason: str, *, via: Sequence[TxState] = ()
+    ) -> None:
         self.error = {"code": "manual_review", "step": step, "reason": reason[:200]}
         self.txc = await transactions.transition(
             work,
@@ -439,6 +441,7 @@ class SagaRun:
             self.txc,
             TxState.MANUAL_REVIEW,
             action="park",
+            via=via,
             error=self.error,
             release=True,
         )
@@ -510,7 +513,7 @@ class SagaRun:
             claim_first=(self.txc.owner, self.services.settings.lease_ms),
         )
         self.events = [
-            _as_effect(EffectKind.OUTBOX, n, claim if i == 0 else None)
+            planned_effect(EffectKind.OUTBOX, n, claim if i == 0 else None)
             for i, n in enumerate(planned)
         ]
         self.services.crashpoints.hit("commit.before_commit", tx_id=self.tx_id)
@@ -544,15 +547,15 @@ class SagaRun:
                 self.ops, specs, key_for=lambda op: keys.compensation_key(op.key), render=render
             )
         except (expressions.ExpressionError, NotCanonicalizable):
-            await self._park_from(
+            await self._park(
                 work,
-                via or [],
                 error.get("step", "compensation"),
                 "a compensation payload cannot be rendered",
+                via=via or [],
             )
             return None
         if not plan.complete:
-            await self._park_from(work, via or [], plan.irreversible[0].name, REASON_IRREVERSIBLE)
+            await self._park(work, plan.irreversible[0].name, REASON_IRREVERSIBLE, via=via or [])
             return None
         if not plan.steps:
             self.txc = await transactions.transition(
@@ -584,24 +587,11 @@ class SagaRun:
             claim_first=(self.txc.owner, self.services.settings.lease_ms),
         )
         self.reversals = [
-            _as_effect(EffectKind.COMPENSATION, n, claim if i == 0 else None)
+            planned_effect(EffectKind.COMPENSATION, n, claim if i == 0 else None)
             for i, n in enumerate(plan.steps)
         ]
         self._milestones.append("compensation.after_plan")
         return claim
-
-    async def _park_from(self, work: Work, via: list[TxState], step: str, reason: str) -> None:
-        self.error = {"code": "manual_review", "step": step, "reason": reason}
-        self.txc = await transactions.transition(
-            work,
-            self.chain,
-            self.txc,
-            TxState.MANUAL_REVIEW,
-            action="park",
-            via=via,
-            error=self.error,
-            release=True,
-        )
 
     def _items(self, kind: EffectKind) -> list[Effect]:
         return {
@@ -621,7 +611,7 @@ class SagaRun:
                 return
 
 
-def _as_effect(kind: EffectKind, new: effects.NewEffect, claim: Claim | None) -> Effect:
+def planned_effect(kind: EffectKind, new: effects.NewEffect, claim: Claim | None) -> Effect:
     """The cached row of an effect just inserted (claimed or pending)."""
     return Effect(
         kind=kind,

@@ -34,15 +34,15 @@ from tenacity import (
 
 from ledger import definitions, effects, events, transactions
 from ledger.canonical import NotCanonicalizable, fingerprint
-from ledger.effects import Effect, EffectKind, NewEffect
+from ledger.effects import EffectKind, NewEffect
 from ledger.errors import DuplicateKey, LeaseLost, SchemaOutdated, StorageError, StoreBusy
 from ledger.events import LedgerEntry, LedgerProblem
-from ledger.states import TX_TERMINAL, EffectState, TxState
+from ledger.states import TX_TERMINAL, TxState
 from ledger.store import Chain, Store
 from orchestrator import expressions, keys
 from orchestrator.config import EngineSettings
 from orchestrator.crashpoints import CrashPoints
-from orchestrator.driver import SagaRun, Services, render_payload
+from orchestrator.driver import SagaRun, Services, planned_effect, render_payload
 from orchestrator.errors import (
     BusinessKeyConflict,
     DefinitionInvalid,
@@ -325,9 +325,10 @@ class Orchestrator:
         except StorageError as exc:
             raise StoreUnavailableError() from exc
         self.crashpoints.hit("prepare.after_commit", tx_id=tx_id)
-        ops = [_pending_effect(n) for n in planned]
-        if first is not None:
-            ops[0] = _claimed(ops[0], first.fence)
+        ops = [
+            planned_effect(EffectKind.OPERATION, n, first if i == 0 else None)
+            for i, n in enumerate(planned)
+        ]
         run = SagaRun(self._services, definition, tx_id, clean, txc, chain, ops, hold_on_pause=True)
         try:
             await self._drive_in_call(run, first, budget_seconds)
@@ -617,37 +618,3 @@ class Orchestrator:
         """Hash-chain and replay problems (empty when the ledger is intact)."""
         async with self.store.read() as conn:
             return await events.verify(conn, tx_id)
-
-
-def _pending_effect(new: NewEffect) -> Effect:
-    return Effect(
-        kind=EffectKind.OPERATION,
-        key=new.key,
-        tx_id=new.tx_id,
-        name=new.name,
-        provider=new.provider,
-        action=new.action,
-        ordinal=new.ordinal,
-        payload=new.payload,
-        payload_sha256=new.payload_sha256,
-        state=EffectState.PENDING,
-        claimed_from=None,
-        lease_owner=None,
-        lease_until=None,
-        fence=0,
-        attempts=0,
-        lookups=0,
-        first_attempt_at=None,
-        next_attempt_at=None,
-        remote_id=None,
-        result=None,
-        last_error=None,
-    )
-
-
-def _claimed(e: Effect, fence: int) -> Effect:
-    from dataclasses import replace
-
-    return replace(
-        e, state=EffectState.EXECUTING, fence=fence, attempts=1, claimed_from=EffectState.PENDING
-    )
