@@ -92,6 +92,9 @@ def bench(
     ] = 1.5,
 ) -> None:
     """Run the order saga (reserve + charge, receipt via the outbox) and report its costs."""
+    from fault_injection.cli import checked_db
+
+    checked_db(db)
     out = Console(highlight=False, soft_wrap=True)
     if provider not in PROVIDERS:
         out.print(f"[red]error:[/] --provider must be one of {', '.join(PROVIDERS)}")

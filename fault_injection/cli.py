@@ -29,11 +29,23 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from fault_injection.report import write_report
 from fault_injection.results import RunSummary, ScenarioResult
+from ledger.dialects import dialect_of, normalize_url
 
 app = typer.Typer(
     help="Fault-injection suite: crashes, provider faults, races.", no_args_is_help=True
 )
 SUITES = ("seed", "faults", "concurrency", "matrix", "random", "all")
+
+
+def checked_db(url: str | None, option: str = "--db") -> None:
+    """Refuse an unsupported or malformed URL with one line and exit code 2."""
+    if url is None:
+        return
+    try:
+        dialect_of(normalize_url(url))
+    except Exception as exc:  # ArgumentError, ValueError: both are the user's typo
+        Console(stderr=True, highlight=False).print(f"error: {option}: {escape(str(exc))}")
+        raise typer.Exit(2) from None
 
 
 def _console() -> Console:
@@ -59,6 +71,7 @@ def run(
     ] = False,
 ) -> None:
     """Run a suite; print PASS/FAIL per scenario and a summary."""
+    checked_db(db)
     out = _console()
     if suite not in SUITES:
         out.print(f"[red]error:[/] --suite must be one of {', '.join(SUITES)}")
@@ -187,6 +200,8 @@ def check(
     settled: Annotated[bool, typer.Option(help="Require every transaction settled.")] = True,
 ) -> None:
     """Run the invariant checker over an existing pair of databases."""
+    checked_db(db)
+    checked_db(provider_db, "--provider-db")
     from fault_injection.invariants import check_invariants
 
     out = _console()
@@ -209,6 +224,7 @@ def fleet(
     faults: Annotated[str, typer.Option(help="kind:provider.action:skip:times,…")] = "",
 ) -> None:
     """Recovery time of N in-doubt sagas with W real worker processes; invariants checked."""
+    checked_db(db)
     from fault_injection.fleet import run_fleet
     from fault_injection.harness import Harness, fresh_databases
     from fault_injection.invariants import check_invariants

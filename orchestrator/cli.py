@@ -589,20 +589,24 @@ def worker(
     from orchestrator.config import EngineSettings
     from orchestrator.workerproc import run_worker_process
 
-    url = _checked_url(db)
     extra = {"worker_id": worker_id} if worker_id else {}
     settings = EngineSettings(lease_seconds=lease_seconds, **extra)
-    stats = _run(
-        run_worker_process(
-            url,
+
+    async def job() -> Any:
+        # Validated inside _run so a bad URL is one clean line, not a traceback.
+        shop = _checked_url(fake_shop, "--fake-shop") if fake_shop else None
+        return await run_worker_process(
+            _checked_url(db),
             settings=settings,
             concurrency=concurrency,
             once=once,
             poll_seconds=poll_seconds,
-            fake_shop=fake_shop,
+            fake_shop=shop,
             app_ref=app_ref,
+            metrics_port=metrics_port,
         )
-    )
+
+    stats = _run(job())
     _stdout().print(
         f"worker {settings.worker_id}: claimed {stats.claimed}, finished {stats.finished}, "
         f"outbox {stats.events}, lease lost {stats.lease_lost}, errors {stats.errors}"

@@ -327,3 +327,26 @@ def test_configure_logging_filters_and_renders_json() -> None:
     assert all(e["timestamp"].endswith("Z") for e in lines)
     with pytest.raises(ValueError, match="log level"):
         configure_logging("LOUD", stream=stream)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["worker", "--db", "mysql://x", "--once"],
+        ["fault-inject", "run", "--suite", "seed", "--db", "mysql://x"],
+        ["fault-inject", "check", "--db", "mysql://x", "--provider-db", "mysql://y"],
+        ["bench", "--db", "mysql://x", "--sagas", "1"],
+    ],
+)
+def test_bad_database_urls_are_one_clean_line(args: list[str]) -> None:
+    import subprocess as sp
+    import sys as _sys
+
+    done = sp.run(
+        [_sys.executable, "-m", "orchestrator.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr and "unsupported database" in done.stderr
