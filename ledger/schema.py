@@ -88,6 +88,8 @@ transactions = Table(
     Column("next_attempt_at", BigInteger, nullable=True),
     Column("error", Json, nullable=True),  # {code, message, step?}: safe text only
     Column("execution_id", String(64), nullable=True),  # the audit record (commands layer)
+    # Extra template scope frozen at prepare (query-step results), so recovery re-renders alike.
+    Column("context", Json, nullable=True),
     Column("created_at", BigInteger, nullable=False),
     Column("updated_at", BigInteger, nullable=False),
     CheckConstraint(f"status IN ({_TX_STATES})", name="status"),
@@ -200,3 +202,162 @@ ledger = Table(
 Index("ix_ledger_tx_seq", ledger.c.tx_id, ledger.c.seq)
 
 EFFECT_TABLES = {"operation": operations, "compensation": compensation_steps, "outbox": outbox}
+
+# -- the commands layer (seed 000): stored commands, their executions, idempotency, principals --
+
+COMMAND_SCOPES = ("company", "room")
+EXECUTION_STATUSES = ("running", "succeeded", "failed", "staged", "manual_review")
+PRINCIPAL_KINDS = ("user", "client")
+PERMISSIONS = ("execute", "read", "manage", "approve")
+CALLBACK_EVENTS = ("succeeded", "failed", "staged")
+CALLBACK_STATES = ("pending", "running", "delivered", "failed")
+
+
+def _in(values: tuple[str, ...]) -> str:
+    return ", ".join(f"'{v}'" for v in values)
+
+
+commands = Table(
+    "commands",
+    metadata,
+    Column("command_id", String(64), primary_key=True),
+    Column("tenant", String(100), nullable=False),
+    Column("name", String(200), nullable=False),
+    Column("scope_kind", String(16), nullable=False),
+    Column("scope_id", String(64), nullable=False),
+    Column("tag_id", String(64), nullable=True),
+    Column("version", Integer, nullable=False),  # drift behaviour: 1 = fields exist, 2 = contract
+    Column("mode", String(16), nullable=False),  # execute | query
+    Column("definition", Json, nullable=False),  # the exact stored definition (digest input)
+    Column("digest", String(64), nullable=False),
+    Column("saga_digest", String(64), ForeignKey("saga_definitions.digest"), nullable=True),
+    Column("created_by", String(64), nullable=False),
+    Column("created_at", BigInteger, nullable=False),
+    Column("updated_at", BigInteger, nullable=False),
+    Column("deleted_at", BigInteger, nullable=True),  # soft delete
+    CheckConstraint(f"scope_kind IN ({_in(COMMAND_SCOPES)})", name="scope_kind"),
+    CheckConstraint("version IN (1, 2)", name="version"),
+    CheckConstraint("mode IN ('execute', 'query')", name="mode"),
+)
+Index("ix_commands_tenant_name", commands.c.tenant, commands.c.name)
+
+executions = Table(
+    "executions",
+    metadata,
+    Column("execution_id", String(64), primary_key=True),
+    Column("command_id", String(64), ForeignKey("commands.command_id"), nullable=False),
+    Column("command_digest", String(64), nullable=False),
+    Column("tx_id", String(64), nullable=True),  # NULL when it failed before any transaction
+    Column("status", String(16), nullable=False),
+    Column("invoker_kind", String(8), nullable=False),
+    Column("invoker_id", String(64), nullable=False),
+    Column("actor_bucket", String(80), nullable=False),  # user:{id} | client:{id}
+    Column("idempotency_key", String(128), nullable=True),
+    Column("origin", String(16), nullable=False),  # manual | agent
+    Column("input_snapshot", Json, nullable=False),
+    Column("authorization_snapshot", Json, nullable=False),
+    Column("steps", Json, nullable=True),  # <= 40 entries
+    Column("result_refs", Json, nullable=True),  # <= 20 entries
+    Column("error_code", String(64), nullable=True),
+    Column("error", Text, nullable=True),  # safe text, <= 4096 chars
+    Column("response", Json, nullable=True),  # snapshot <= 65 536 bytes, else a stand-in
+    Column("lifecycle_snapshot", Json, nullable=True),  # agent delivery marker (issue 6)
+    Column("staged_change_id", String(64), nullable=True),
+    Column("room_id", String(64), nullable=True),
+    Column("duration_ms", Integer, nullable=True),
+    Column("created_at", BigInteger, nullable=False),
+    Column("updated_at", BigInteger, nullable=False),
+    CheckConstraint(f"status IN ({_in(EXECUTION_STATUSES)})", name="status"),
+    CheckConstraint(f"invoker_kind IN ({_in(PRINCIPAL_KINDS)})", name="invoker_kind"),
+    CheckConstraint("origin IN ('manual', 'agent')", name="origin"),
+)
+Index("ix_executions_command_created", executions.c.command_id, executions.c.created_at)
+Index("ix_executions_tx", executions.c.tx_id)
+
+idempotency_reservations = Table(
+    "idempotency_reservations",
+    metadata,
+    Column("command_id", String(64), primary_key=True),
+    Column("actor_bucket", String(80), primary_key=True),
+    Column("key", String(128), primary_key=True),
+    Column("execution_id", String(64), nullable=False),
+    Column("expires_at", BigInteger, nullable=False),
+    Column("created_at", BigInteger, nullable=False),
+)
+
+principals = Table(
+    "principals",
+    metadata,
+    Column("principal_id", String(64), primary_key=True),
+    Column("tenant", String(100), nullable=False),
+    Column("kind", String(8), nullable=False),
+    Column("name", String(200), nullable=False),
+    Column("verified", Integer, nullable=False, server_default=text("0")),  # 0/1 on both backends
+    Column("disabled", Integer, nullable=False, server_default=text("0")),
+    Column("api_key_sha256", String(64), nullable=True, unique=True),
+    Column("created_at", BigInteger, nullable=False),
+    Column("deleted_at", BigInteger, nullable=True),  # not alive once set
+    CheckConstraint(f"kind IN ({_in(PRINCIPAL_KINDS)})", name="kind"),
+)
+
+grants = Table(
+    "grants",
+    metadata,
+    Column("grant_id", String(64), primary_key=True),
+    Column("principal_id", String(64), ForeignKey("principals.principal_id"), nullable=False),
+    Column("provider", String(100), nullable=False),
+    Column("action", String(100), nullable=False),  # '*' = every action of the provider
+    Column("permission", String(16), nullable=False),
+    Column("max_amount", BigInteger, nullable=True),  # cap on payload[amount_field]
+    Column("amount_field", String(100), nullable=True),
+    Column("readable_fields", Json, nullable=True),  # NULL = every result field
+    Column("created_at", BigInteger, nullable=False),
+    CheckConstraint(f"permission IN ({_in(PERMISSIONS)})", name="permission"),
+    UniqueConstraint("principal_id", "provider", "action", "permission"),
+)
+
+room_members = Table(
+    "room_members",
+    metadata,
+    Column("room_id", String(64), primary_key=True),
+    Column("principal_id", String(64), ForeignKey("principals.principal_id"), primary_key=True),
+    Column("language", String(16), nullable=True),
+    Column("joined_at", BigInteger, nullable=False),
+    Column("left_at", BigInteger, nullable=True),  # a member no longer once set
+)
+
+action_settings = Table(
+    "action_settings",
+    metadata,
+    Column("provider", String(100), primary_key=True),
+    Column("action", String(100), primary_key=True),
+    Column("requires_approval", Integer, nullable=False, server_default=text("0")),
+    Column("approval_policy", Json, nullable=True),
+    Column("locked_for", String(100), nullable=True),  # an operation holding the action
+    Column("revision", Integer, nullable=False, server_default=text("1")),
+    Column("updated_at", BigInteger, nullable=False),
+)
+
+callback_runs = Table(
+    "callback_runs",
+    metadata,
+    Column("run_id", String(64), primary_key=True),
+    Column("execution_id", String(64), ForeignKey("executions.execution_id"), nullable=False),
+    Column("event", String(16), nullable=False),
+    Column("target", Text, nullable=False),
+    Column("payload", Json, nullable=False),
+    Column("state", String(16), nullable=False),
+    Column("attempts", Integer, nullable=False, server_default=text("0")),
+    Column("lease_owner", String(128), nullable=True),
+    Column("lease_until", BigInteger, nullable=True),
+    Column("fence", BigInteger, nullable=False, server_default=text("0")),
+    Column("next_attempt_at", BigInteger, nullable=True),
+    Column("last_error", Text, nullable=True),
+    Column("created_at", BigInteger, nullable=False),
+    Column("updated_at", BigInteger, nullable=False),
+    CheckConstraint(f"event IN ({_in(CALLBACK_EVENTS)})", name="event"),
+    CheckConstraint(f"state IN ({_in(CALLBACK_STATES)})", name="state"),
+    CheckConstraint("attempts <= 5", name="attempts"),
+    UniqueConstraint("execution_id", "event", "target"),
+)
+Index("ix_callback_runs_state_next", callback_runs.c.state, callback_runs.c.next_attempt_at)

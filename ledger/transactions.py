@@ -47,6 +47,8 @@ class TxRecord:
     execution_id: str | None
     created_at: int
     updated_at: int
+    #: Extra template scope frozen at prepare (query results of a command), or ``None``.
+    context: Any = None
 
     @property
     def terminal(self) -> bool:
@@ -82,6 +84,7 @@ def _record(row: Row[Any]) -> TxRecord:
         execution_id=m["execution_id"],
         created_at=int(m["created_at"]),
         updated_at=int(m["updated_at"]),
+        context=m["context"],
     )
 
 
@@ -97,6 +100,7 @@ async def insert(
     lease_ms: int,
     business_key: str | None = None,
     execution_id: str | None = None,
+    context: Mapping[str, Any] | None = None,
     start: bool = True,
 ) -> TxClaim:
     """Persist a prepared transaction, leased to ``owner``; with ``start`` also move it to
@@ -119,6 +123,7 @@ async def insert(
             next_attempt_at=None,
             error=None,
             execution_id=execution_id,
+            context=dict(context) if context is not None else None,
             created_at=work.now_ms,
             updated_at=work.now_ms,
         )

@@ -37,6 +37,8 @@ class EngineSettings(BaseModel):
     #: Jittered exponential backoff between reconcile attempts (tenacity).
     backoff_initial_seconds: float = Field(default=0.05, gt=0, le=60)
     backoff_max_seconds: float = Field(default=30.0, gt=0, le=3600)
+    #: Largest result projection (canonical JSON bytes) a saga may commit with.
+    max_output_bytes: int = Field(default=1_048_576, ge=1, le=64 * 1_048_576)
     #: SQLite ``synchronous`` pragma (FULL survives power loss; NORMAL only process crashes).
     sqlite_synchronous: str = Field(default="FULL", pattern="^(OFF|NORMAL|FULL|EXTRA)$")
 

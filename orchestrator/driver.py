@@ -16,7 +16,7 @@ import contextlib
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 
@@ -29,7 +29,7 @@ from compensation.policy import (
     RetryBudget,
 )
 from ledger import effects, transactions
-from ledger.canonical import NotCanonicalizable, fingerprint
+from ledger.canonical import NotCanonicalizable, canonical_json, fingerprint
 from ledger.effects import Claim, Effect, EffectKind
 from ledger.errors import LeaseLost, StorageError
 from ledger.states import TX_TERMINAL, EffectState, TxState
@@ -46,6 +46,20 @@ from providers.registry import ProviderRegistry
 log = structlog.get_logger(__name__)
 
 
+class StepGate(Protocol):
+    """Asked before a never-sent effect of a command's saga is claimed: may the invoker still
+    do this, with this payload? (Authorization as the caller, checked again before the effect.)"""
+
+    async def __call__(self, work: Work, run: SagaRun, step: str, payload: Any) -> bool: ...
+
+
+class TerminalHook(Protocol):
+    """Called inside the local transaction that moves a saga to a terminal or parked state,
+    so what depends on the outcome (the command's execution record) commits with it."""
+
+    async def __call__(self, work: Work, run: SagaRun) -> None: ...
+
+
 @dataclass
 class Services:
     """What every run needs from the engine."""
@@ -55,6 +69,8 @@ class Services:
     settings: EngineSettings
     crashpoints: CrashPoints
     metrics: Metrics | None = None
+    gate: StepGate | None = None
+    on_terminal: TerminalHook | None = None
 
 
 def render_payload(template: Any, scope: Mapping[str, Any]) -> tuple[Any, str]:
@@ -83,6 +99,10 @@ class SagaRun:
     retry_hint_ms: int | None = None
     #: Asked after every commit; true ends the drive and hands the leases back (worker stop).
     should_stop: Callable[[], bool] | None = None
+    #: Extra scope frozen at prepare (a command's query results), ``None`` for plain sagas.
+    context: Mapping[str, Any] | None = None
+    #: The command execution this saga belongs to (its audit record), if any.
+    execution_id: str | None = None
     _milestones: list[str] = field(default_factory=list)
     _lease_renewed_at: float = field(default_factory=time.monotonic)
 
@@ -281,6 +301,13 @@ class SagaRun:
                 if op.state is EffectState.MANUAL_REVIEW:
                     await self._park(work, op.name, op.last_error or "undecidable")
                     return None
+                if op.state is EffectState.PENDING:
+                    refusal = await self._preflight(work, op)
+                    if refusal is not None:
+                        claim = await self._turn_back(work, refusal)
+                        if claim is not None or self.txc.status is not TxState.COMPENSATING:
+                            return claim
+                        continue
                 claim = await self._claim_op(work, op, eager=eager)
                 if claim is None:
                     if self.ops_state(op.key) in (EffectState.MANUAL_REVIEW, EffectState.FAILED):
@@ -298,6 +325,7 @@ class SagaRun:
                     self.txc = await transactions.transition(
                         work, self.chain, self.txc, TxState.COMPENSATED, action="compensated"
                     )
+                    await self._finished(work)
                     return None
                 if step_.state is EffectState.FAILED:
                     await self._park(work, step_.name, REASON_REVERSAL_REJECTED)
@@ -337,6 +365,9 @@ class SagaRun:
             if o.state is EffectState.CONFIRMED
         }
         scope: dict[str, Any] = {"inputs": self.inputs, "tx": {"id": self.tx_id}, "steps": steps}
+        if self.context:
+            for root, value in self.context.items():
+                scope.setdefault(root, value)
         if forward is not None:
             scope["forward"] = {
                 "payload": forward.payload,
@@ -344,6 +375,48 @@ class SagaRun:
                 "remote_id": forward.remote_id,
             }
         return scope
+
+    def _failed_assert(self, step: str | None) -> dict[str, Any] | None:
+        """The first author assert guarding ``step`` that does not hold, as a saga error."""
+        scope = self.scope()
+        for a in self.definition.asserts_before(step):
+            try:
+                ok = expressions.evaluate_condition(a["expr"], scope)
+            except expressions.ExpressionError:
+                ok = False
+            if not ok:
+                return {"code": "assertion_failed", "step": a["name"], "reason": a["message"]}
+        return None
+
+    async def _preflight(self, work: Work, op: Effect) -> dict[str, Any] | None:
+        """Before an effect is first sent: its asserts hold and the invoker may still do it.
+
+        Only never-sent effects are gated: one that may have been sent is reconciled first,
+        whatever the invoker may do now."""
+        failed = self._failed_assert(op.name)
+        if failed is not None:
+            return failed
+        gate = self.services.gate
+        if gate is None or self.execution_id is None:
+            return None
+        payload: Any = op.payload
+        if payload is None:
+            with contextlib.suppress(expressions.ExpressionError, NotCanonicalizable):
+                payload = render_payload(self.definition.step(op.name)["payload"], self.scope())[0]
+        if await gate(work, self, op.name, payload):
+            return None
+        return {"code": "principal_not_authorized", "step": op.name}
+
+    def output(self) -> Any:
+        """The result projection of the saga's definition over its confirmed steps."""
+        template = self.definition.result_template
+        return None if template is None else expressions.render(template, self.scope())
+
+    async def _finished(self, work: Work) -> None:
+        """The saga reached a terminal or parked state in ``work``: tell the hook, same commit."""
+        hook = self.services.on_terminal
+        if hook is not None and self.execution_id is not None:
+            await hook(work, self)
 
     async def _claim_op(self, work: Work, op: Effect, *, eager: bool) -> Claim | None:
         template = self.definition.step(op.name)["payload"]
@@ -445,6 +518,7 @@ class SagaRun:
             error=self.error,
             release=True,
         )
+        await self._finished(work)
 
     async def _validate_and_commit(self, work: Work) -> Claim | None:
         failures: list[dict[str, Any]] = []
@@ -455,6 +529,14 @@ class SagaRun:
             mismatched = echo_mismatches(contract, op.payload, op.result)
             if mismatched:
                 failures.append({"check": f"{op.name}.echo", "fields": mismatched})
+        failed_assert = self._failed_assert(None)
+        if failed_assert is not None:
+            via = [TxState.VALIDATING] if self.txc.status is TxState.EXECUTING else []
+            return await self._turn_back(work, failed_assert, via=via)
+        output_error = self._output_problem()
+        if output_error is not None:
+            via = [TxState.VALIDATING] if self.txc.status is TxState.EXECUTING else []
+            return await self._turn_back(work, output_error, via=via)
         scope = self.scope()
         for check in self.definition.checks:
             try:
@@ -505,6 +587,7 @@ class SagaRun:
         self.txc = await transactions.transition(
             work, self.chain, self.txc, TxState.COMMITTED, action="commit", via=via
         )
+        await self._finished(work)
         claim = await effects.insert(
             work,
             self.chain,
@@ -519,6 +602,19 @@ class SagaRun:
         self.services.crashpoints.hit("commit.before_commit", tx_id=self.tx_id)
         self._milestones.append("commit.after_commit")
         return claim
+
+    def _output_problem(self) -> dict[str, Any] | None:
+        """The result projection must render and fit the output budget before we commit."""
+        if self.definition.result_template is None:
+            return None
+        limit = self.services.settings.max_output_bytes
+        try:
+            size = len(canonical_json(self.output()))
+        except (expressions.ExpressionError, NotCanonicalizable):
+            return {"code": "validation_failed", "check": "result"}
+        if size > limit:
+            return {"code": "output_limit_exceeded", "limit": limit, "actual": size}
+        return None
 
     async def _turn_back(
         self,
@@ -568,6 +664,7 @@ class SagaRun:
                 error=error,
                 detail=detail,
             )
+            await self._finished(work)
             return None
         self.txc = await transactions.transition(
             work,

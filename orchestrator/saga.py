@@ -28,6 +28,7 @@ for a compensation ``forward.{payload,result,remote_id}`` of the op it reverses.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -184,7 +185,33 @@ def _invalid(reason: str, step: str | None = None) -> DefinitionInvalid:
     return DefinitionInvalid(details=details, step=step)
 
 
-def _check_refs(expr: Any, allowed_roots: set[str], earlier: set[str], where: str) -> None:
+#: Template roots: inputs, the tx id, earlier steps, and query results frozen at prepare.
+_ROOTS: Final = frozenset({"inputs", "tx", "steps", "queries"})
+
+
+def _parse_asserts(raw: Any, step_names: list[str]) -> list[dict[str, Any]]:
+    """Asserts guard the effect named by ``before``: they see only the steps before it."""
+    if not isinstance(raw, Sequence) or isinstance(raw, str):
+        raise _invalid("asserts must be a list")
+    out: list[dict[str, Any]] = []
+    for a in raw:
+        if not isinstance(a, Mapping) or not is_identifier(a.get("name")):
+            raise _invalid("each assert needs a name")
+        before = a.get("before")
+        if before is not None and before not in step_names:
+            raise _invalid(f"assert {a['name']!r}: 'before' names no step")
+        earlier = set(step_names[: step_names.index(before)] if before else step_names)
+        _check_refs(a.get("expr"), _ROOTS, earlier, f"assert {a['name']!r}")
+        message = a.get("message", "")
+        if not isinstance(message, str):
+            raise _invalid(f"assert {a['name']!r}: message must be text")
+        out.append({"name": a["name"], "expr": a.get("expr"), "message": message, "before": before})
+    return out
+
+
+def _check_refs(
+    expr: Any, allowed_roots: AbstractSet[str], earlier: AbstractSet[str], where: str
+) -> None:
     try:
         expressions.validate(expr)
     except expressions.ExpressionError as exc:
@@ -225,6 +252,21 @@ class SagaDefinition:
     def outbox(self) -> list[dict[str, Any]]:
         """After-commit events in order."""
         return list(self.data["outbox"])
+
+    @property
+    def asserts(self) -> list[dict[str, Any]]:
+        """Author asserts placed between effects: ``before`` names the effect they guard
+        (``None``: after the last effect, evaluated in the validate phase)."""
+        return list(self.data.get("asserts", []))
+
+    def asserts_before(self, step: str | None) -> list[dict[str, Any]]:
+        """The asserts that must hold before ``step`` is sent (``None``: before commit)."""
+        return [a for a in self.data.get("asserts", []) if a.get("before") == step]
+
+    @property
+    def result_template(self) -> Any:
+        """The result projection template, or ``None``."""
+        return self.data.get("result")
 
     @property
     def checks(self) -> list[dict[str, Any]]:
@@ -272,14 +314,14 @@ class SagaDefinition:
             for attr in ("provider", "action"):
                 if not is_identifier(s.get(attr)):
                     raise _invalid(f"step {sname!r}: {attr} must be a non-blank name", str(sname))
-            _check_refs(s.get("payload"), {"inputs", "tx", "steps"}, seen, f"step {sname!r}")
+            _check_refs(s.get("payload"), _ROOTS, seen, f"step {sname!r}")
             comp = s.get("compensation")
             if comp is not None:
                 if not isinstance(comp, Mapping) or not is_identifier(comp.get("action")):
                     raise _invalid(f"step {sname!r}: compensation needs an action", str(sname))
                 _check_refs(
                     comp.get("payload"),
-                    {"inputs", "tx", "steps", "forward"},
+                    _ROOTS | {"forward"},
                     seen,
                     f"compensation of {sname!r}",
                 )
@@ -287,7 +329,7 @@ class SagaDefinition:
         for c in raw.get("checks", []):
             if not isinstance(c, Mapping) or not is_identifier(c.get("name")):
                 raise _invalid("each check needs a name")
-            _check_refs(c.get("expr"), {"inputs", "tx", "steps"}, seen, f"check {c['name']!r}")
+            _check_refs(c.get("expr"), _ROOTS, seen, f"check {c['name']!r}")
         events: set[str] = set()
         for e in raw.get("outbox", []):
             if not isinstance(e, Mapping) or not is_identifier(e.get("name")):
@@ -298,7 +340,10 @@ class SagaDefinition:
             for attr in ("provider", "action"):
                 if not is_identifier(e.get(attr)):
                     raise _invalid(f"outbox event {e['name']!r}: {attr} must be a non-blank name")
-            _check_refs(e.get("payload"), {"inputs", "tx", "steps"}, seen, f"event {e['name']!r}")
+            _check_refs(e.get("payload"), _ROOTS, seen, f"event {e['name']!r}")
+        asserts = _parse_asserts(raw.get("asserts", []), [str(s["name"]) for s in steps])
+        if raw.get("result") is not None:
+            _check_refs(raw["result"], _ROOTS, seen, "result")
         if raw.get("business_key") is not None:
             _check_refs(raw["business_key"], {"inputs"}, set(), "business_key")
         data = {
@@ -311,6 +356,11 @@ class SagaDefinition:
             "checks": [dict(c) for c in raw.get("checks", [])],
             "outbox": [dict(e) for e in raw.get("outbox", [])],
         }
+        # Optional keys stay absent when unused, so plain sagas keep the digests they had.
+        if asserts:
+            data["asserts"] = asserts
+        if raw.get("result") is not None:
+            data["result"] = raw["result"]
         try:
             data = _round_trip(data)
         except NotCanonicalizable as exc:

@@ -45,6 +45,8 @@ class SagaResult:
     remote_ids: dict[str, str] = field(default_factory=dict)
     results: dict[str, Any] = field(default_factory=dict)
     error: ErrorInfo | None = None
+    #: The definition's result projection, when it has one and the saga committed.
+    output: Any = None
 
     @property
     def committed(self) -> bool:
@@ -70,7 +72,8 @@ def result_of(run: SagaRun) -> SagaResult:
     if run.txc.status not in TX_TERMINAL and run.txc.status is not TxState.MANUAL_REVIEW:
         step = run.paused_on.name if run.paused_on is not None else None
         error = ErrorInfo("in_doubt", REGISTRY["in_doubt"].message, step)
-    return SagaResult(run.tx_id, run.txc.status, ids, results, error)
+    output = run.output() if run.txc.status is TxState.COMMITTED else None
+    return SagaResult(run.tx_id, run.txc.status, ids, results, error, output)
 
 
 @dataclass(frozen=True, slots=True)

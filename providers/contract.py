@@ -50,6 +50,13 @@ class ActionContract:
     echo_fields: tuple[str, ...] = ()
     #: Top-level payload fields that must be present.
     required_fields: tuple[str, ...] = ()
+    #: A read: ``apply`` answers :class:`Confirmed` with data and changes nothing. Only query steps
+    #: (and ``/query``) call read-only actions; they need no key dedup, lookup or compensation.
+    read_only: bool = False
+    #: The action's declared schema: every payload and result field it knows. Commands that
+    #: reference a field outside it are refused at authoring, and version-1 commands re-check
+    #: before each execute that their fields still exist. Empty = undeclared (nothing checked).
+    fields: tuple[str, ...] = ()
 
     @property
     def irreversible(self) -> bool:
