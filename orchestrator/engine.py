@@ -19,9 +19,9 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, Self
+from typing import TYPE_CHECKING, Any, Literal, Self
 
 import structlog
 from tenacity import (
@@ -38,8 +38,8 @@ from ledger.effects import EffectKind, NewEffect
 from ledger.errors import DuplicateKey, LeaseLost, SchemaOutdated, StorageError, StoreBusy
 from ledger.events import LedgerEntry, LedgerProblem
 from ledger.states import TX_TERMINAL, TxState
-from ledger.store import Chain, Store
-from orchestrator import expressions, keys
+from ledger.store import Chain, Store, Work
+from orchestrator import audit, expressions, keys
 from orchestrator.config import EngineSettings
 from orchestrator.crashpoints import CrashPoints
 from orchestrator.driver import SagaRun, Services, planned_effect, render_payload
@@ -62,7 +62,13 @@ from orchestrator.views import SagaResult, TransactionView, result_of, view_of
 from providers.contract import Provider, UnknownAction
 from providers.registry import ProviderRegistry, UnknownProvider
 
+if TYPE_CHECKING:
+    from orchestrator.commands import CommandService
+
 log = structlog.get_logger(__name__)
+
+#: Writes of an upper layer that must commit with a transaction's plan (see ``execute``).
+PrepareHook = Callable[[Work], Awaitable[None]]
 
 
 @dataclass
@@ -103,11 +109,20 @@ class Orchestrator:
         self.crashpoints = crashpoints or CrashPoints()
         self.metrics = Metrics()
         self._services = Services(
-            store, self.registry, self.settings, self.crashpoints, self.metrics
+            store,
+            self.registry,
+            self.settings,
+            self.crashpoints,
+            self.metrics,
+            # Command sagas: re-check the invoker before each effect, finish the audit record
+            # in the saga's own commit. Plain sagas (no execution id) skip both.
+            gate=audit.gate,
+            on_terminal=audit.finish_execution,
         )
         self._by_name: dict[str, SagaDefinition] = {}
         self._by_digest: dict[str, SagaDefinition] = {}
         self._stored: set[str] = set()
+        self._commands: CommandService | None = None
 
     @classmethod
     async def open(
@@ -157,6 +172,15 @@ class Orchestrator:
     async def abandon(self) -> None:
         """Drop everything as a crashed process would (no lease released)."""
         await self.store.abandon()
+
+    @property
+    def commands(self) -> CommandService:
+        """The commands layer over this engine (authoring, execute, query, audit reads)."""
+        if self._commands is None:
+            from orchestrator.commands import CommandService
+
+            self._commands = CommandService(self)
+        return self._commands
 
     # -- registration ---------------------------------------------------------------------------
 
@@ -277,17 +301,24 @@ class Orchestrator:
 
     async def execute(
         self,
-        saga: Saga | str,
+        saga: Saga | str | SagaDefinition,
         inputs: Mapping[str, Any],
         *,
         tx_id: str | None = None,
         budget_seconds: float | None = None,
+        execution_id: str | None = None,
+        context: Mapping[str, Any] | None = None,
+        prepare_hook: PrepareHook | None = None,
     ) -> SagaResult:
         """Run ``saga`` once for ``inputs``.
 
         ``tx_id`` (optional, caller-chosen) makes the call idempotent: the same id with the same
         inputs returns that transaction's outcome; with different inputs it is refused
         (``idempotency_payload_mismatch``) before any provider call.
+
+        The commands layer passes ``execution_id`` (the audit record), ``context`` (query results
+        frozen into the template scope) and ``prepare_hook``, which writes its own rows (the
+        execution record, the idempotency reservation) in the same local commit as the plan.
         """
         definition = await self._resolve(saga)
         if tx_id is not None and not keys.is_identifier(tx_id):
@@ -297,12 +328,16 @@ class Orchestrator:
         clean = definition.validate_inputs(inputs)
         business_key = self._business_key(definition, clean)
         tx_id = tx_id or uuid.uuid4().hex
-        planned = self._plan(definition, tx_id, clean)
+        planned = self._plan(definition, tx_id, clean, context)
         chain = Chain(tx_id)
         owner = self.settings.worker_id
         lease_ms = self.settings.lease_ms
         try:
             async with self.store.transaction() as work:
+                if prepare_hook is not None:
+                    # First, so its row locks (the command row) serialise concurrent executes
+                    # before anything else is written.
+                    await prepare_hook(work)
                 txc = await transactions.insert(
                     work,
                     chain,
@@ -313,6 +348,8 @@ class Orchestrator:
                     owner=owner,
                     lease_ms=lease_ms,
                     business_key=business_key,
+                    execution_id=execution_id,
+                    context=context,
                 )
                 first = await effects.insert(
                     work, chain, EffectKind.OPERATION, planned, claim_first=(owner, lease_ms)
@@ -329,7 +366,18 @@ class Orchestrator:
             planned_effect(EffectKind.OPERATION, n, first if i == 0 else None)
             for i, n in enumerate(planned)
         ]
-        run = SagaRun(self._services, definition, tx_id, clean, txc, chain, ops, hold_on_pause=True)
+        run = SagaRun(
+            self._services,
+            definition,
+            tx_id,
+            clean,
+            txc,
+            chain,
+            ops,
+            hold_on_pause=True,
+            context=context,
+            execution_id=execution_id,
+        )
         try:
             await self._drive_in_call(run, first, budget_seconds)
         except LeaseLost:
@@ -365,7 +413,9 @@ class Orchestrator:
             async with self.store.transaction() as work:
                 await run.release(work)
 
-    async def _resolve(self, saga: Saga | str) -> SagaDefinition:
+    async def _resolve(self, saga: Saga | str | SagaDefinition) -> SagaDefinition:
+        if isinstance(saga, SagaDefinition):
+            return await self.register(saga.data)
         if isinstance(saga, Saga):
             return await self.register(saga)
         if not isinstance(saga, str) or saga not in self._by_name:
@@ -390,11 +440,16 @@ class Orchestrator:
         return value
 
     def _plan(
-        self, definition: SagaDefinition, tx_id: str, inputs: dict[str, Any]
+        self,
+        definition: SagaDefinition,
+        tx_id: str,
+        inputs: dict[str, Any],
+        context: Mapping[str, Any] | None = None,
     ) -> list[NewEffect]:
         """Keys for every step, payloads for every step that depends on inputs only."""
         s = self.settings
-        scope = {"inputs": inputs, "tx": {"id": tx_id}, "steps": {}}
+        scope: dict[str, Any] = {**(context or {}), "inputs": inputs, "tx": {"id": tx_id}}
+        scope["steps"] = {}
         planned: list[NewEffect] = []
         for ordinal, step in enumerate(definition.steps):
             payload: Any = None
@@ -546,6 +601,8 @@ class Orchestrator:
             await effects.for_tx(conn, EffectKind.OPERATION, tx.tx_id),
             await effects.for_tx(conn, EffectKind.COMPENSATION, tx.tx_id),
             await effects.for_tx(conn, EffectKind.OUTBOX, tx.tx_id),
+            context=tx.context,
+            execution_id=tx.execution_id,
         )
 
     async def drain(self, *, timeout_seconds: float = 30.0, limit: int = 16) -> RecoveryReport:

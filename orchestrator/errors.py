@@ -137,6 +137,118 @@ _reg(
     "That effect is not waiting for a manual decision.",
     details=("tx_id", "op"),
 )
+# -- commands layer (seed 000) ------------------------------------------------------------------
+_reg("command_not_found", 404, "Command not found.", phases=("author", "execute"))
+_reg("command_execution_not_found", 404, "Command execution not found.")
+_reg(
+    "command_contract_mismatch",
+    409,
+    "The command definition changed since it was reviewed.",
+)
+_reg("jwt_required", 403, "Command routes require JWT authentication", phases=tuple(PHASES))
+_reg(
+    "principal_not_authorized",
+    403,
+    "Command principal is not authorized",
+    phases=tuple(PHASES),
+)
+_reg(
+    "field_not_readable",
+    403,
+    "A result field of the command is not readable by the caller.",
+    details=("field",),
+)
+_reg(
+    "idempotency_in_progress",
+    409,
+    "An execution with this idempotency key is still in progress.",
+    retryable=True,
+    details=("execution_id",),
+)
+_reg(
+    "idempotency_key_invalid",
+    400,
+    "The idempotency key must be 1 to 128 characters.",
+    details=("field",),
+)
+_reg(
+    "contract_digest_invalid",
+    400,
+    "expected_contract_digest must be 64 lowercase hexadecimal characters.",
+    details=("field",),
+)
+_reg("schema_dependency_changed", 409, "Command schema dependencies changed")
+_reg("source_authority_changed", 409, "Command authority changed before execution")
+_reg(
+    "action_locked",
+    400,
+    "Action is currently locked for an operation.",
+    details=("provider", "action", "operation"),
+)
+_reg(
+    "assertion_failed",
+    400,
+    "An assertion of the command failed.",
+    details=("step",),
+)
+_reg("cap_exceeded", 400, "A cap of the command was exceeded.", details=("cap", "limit", "actual"))
+_reg(
+    "cardinality_failed",
+    400,
+    "A query returned an unexpected number of items.",
+    details=("step", "min", "max", "actual"),
+)
+_reg("command_rule_failed", 400, "A rule of the command does not hold.", details=("rule",))
+for _code in ("query", "relation", "mutation", "output"):
+    _reg(
+        f"{_code}_limit_exceeded",
+        400,
+        f"The command exceeds the {_code} budget.",
+        details=("resource", "limit", "actual"),
+    )
+_reg(
+    "definition_limit_exceeded",
+    400,
+    "The command definition exceeds an authoring budget.",
+    phases=("author",),
+    details=("resource", "limit", "actual"),
+)
+_reg(
+    "input_limit_exceeded",
+    400,
+    "The command inputs exceed the size budget.",
+    details=("resource", "limit", "actual"),
+)
+_reg("command_timeout", 504, "The command did not finish in time.", details=("limit",))
+_reg("query_timeout", 504, "The query did not finish in time.", details=("limit",))
+_reg(
+    "command_mode_mismatch",
+    400,
+    "This command cannot run in that mode.",
+    details=("mode",),
+)
+_reg(
+    "request_invalid",
+    422,
+    "The request is malformed.",
+    phases=tuple(PHASES),
+    details=("errors",),
+)
+_reg(
+    "provider_unavailable",
+    503,
+    "A provider could not answer a query; please retry.",
+    retryable=True,
+    details=("step",),
+)
+_reg(
+    "approval_required",
+    409,
+    "The command needs an approval before it runs.",
+    phases=("execute", "stage"),
+    details=("staged_change_id",),
+)
+
 # Outcome codes (SagaResult.error), registered so envelopes built from them validate.
 _reg("provider_rejected", 422, "The provider declined the request.", details=("step",))
 _reg("validation_failed", 422, "A post-condition of the saga did not hold.", details=("check",))
@@ -279,6 +391,186 @@ class ExecutionFailed(AgentTxnError):
     """Anything unexpected: the fallback that leaks nothing."""
 
     code = FALLBACK.code
+
+
+# -- commands layer -----------------------------------------------------------------------------
+
+
+class CommandNotFound(AgentTxnError):
+    """No visible command with that id (also: soft-deleted, another tenant's)."""
+
+    code = "command_not_found"
+
+
+class ExecutionNotFound(AgentTxnError):
+    """No execution with that id that the caller may see."""
+
+    code = "command_execution_not_found"
+
+
+class ContractMismatch(AgentTxnError):
+    """``expected_contract_digest`` differs from the stored definition's digest."""
+
+    code = "command_contract_mismatch"
+
+
+class JwtRequired(AgentTxnError):
+    """Command routes take a user's JWT, not an API key."""
+
+    code = "jwt_required"
+
+
+class PrincipalNotAuthorized(AgentTxnError):
+    """Any principal failure: unknown, wrong tenant, disabled, unverified, not a member, no grant.
+
+    One code and one message for all of them, so a caller cannot tell which (nor probe ids)."""
+
+    code = "principal_not_authorized"
+
+
+class FieldNotReadable(AgentTxnError):
+    """The command's result projects a field the caller may not read."""
+
+    code = "field_not_readable"
+
+
+class IdempotencyInProgress(AgentTxnError):
+    """The key belongs to an execution that is still running or parked."""
+
+    code = "idempotency_in_progress"
+
+
+class IdempotencyKeyInvalid(AgentTxnError):
+    """The idempotency key is empty or longer than 128 characters."""
+
+    code = "idempotency_key_invalid"
+
+
+class ContractDigestInvalid(AgentTxnError):
+    """``expected_contract_digest`` is not 64 lowercase hex characters."""
+
+    code = "contract_digest_invalid"
+
+
+class SchemaDependencyChanged(AgentTxnError):
+    """A provider action the command depends on changed (drift)."""
+
+    code = "schema_dependency_changed"
+
+
+class SourceAuthorityChanged(AgentTxnError):
+    """The command row changed (or was deleted) between validation and apply."""
+
+    code = "source_authority_changed"
+
+
+class ActionLocked(AgentTxnError):
+    """A referenced provider action is held by an operation (a migration)."""
+
+    code = "action_locked"
+
+
+class AssertionFailed(AgentTxnError):
+    """An assert step of the command was false; nothing was written (or all of it reversed)."""
+
+    code = "assertion_failed"
+
+
+class CapExceeded(AgentTxnError):
+    """A cap of the command was exceeded; nothing was written."""
+
+    code = "cap_exceeded"
+
+
+class CardinalityFailed(AgentTxnError):
+    """A query step returned fewer or more items than the command expects."""
+
+    code = "cardinality_failed"
+
+
+class RuleFailed(AgentTxnError):
+    """A rule of the command does not hold for these inputs; nothing was written."""
+
+    code = "command_rule_failed"
+
+
+class LimitExceeded(AgentTxnError):
+    """A runtime budget (``query``, ``relation``, ``mutation``, ``output``) was exceeded."""
+
+    def __init__(self, kind: str, *, limit: int, actual: int, resource: str | None = None) -> None:
+        self.code = f"{kind}_limit_exceeded"  # type: ignore[misc]
+        super().__init__(
+            details={"resource": resource or kind, "limit": limit, "actual": actual}
+        )
+
+
+class DefinitionLimitExceeded(AgentTxnError):
+    """The definition exceeds an authoring budget."""
+
+    code = "definition_limit_exceeded"
+
+
+class InputLimitExceeded(AgentTxnError):
+    """The request's inputs exceed the size budget."""
+
+    code = "input_limit_exceeded"
+
+
+class CommandTimeout(AgentTxnError):
+    """The command's time budget ended before anything was written."""
+
+    code = "command_timeout"
+
+
+class QueryTimeout(AgentTxnError):
+    """A query did not finish within its time budget."""
+
+    code = "query_timeout"
+
+
+class CommandModeMismatch(AgentTxnError):
+    """``execute`` on a query-mode command, or ``query`` on an execute-mode one."""
+
+    code = "command_mode_mismatch"
+
+
+class RequestInvalid(AgentTxnError):
+    """The HTTP request body or parameters do not validate."""
+
+    code = "request_invalid"
+
+
+class ProviderUnavailable(AgentTxnError):
+    """A query step's provider did not answer (reads only: nothing was written)."""
+
+    code = "provider_unavailable"
+
+
+class OutcomeError(AgentTxnError):
+    """A command's saga ended without committing: its registered code, the execution it left.
+
+    ``details`` are filtered to the code's allowed keys so nothing unregistered leaks."""
+
+    def __init__(
+        self,
+        code: str,
+        *,
+        message: str | None = None,
+        details: Mapping[str, Any] | None = None,
+        step: str | None = None,
+        execution_id: str | None = None,
+    ) -> None:
+        entry = REGISTRY.get(code, FALLBACK)
+        self.code = entry.code  # type: ignore[misc]
+        allowed = {k: v for k, v in (details or {}).items() if k in entry.detail_keys}
+        super().__init__(message if entry is not FALLBACK else None, details=allowed, step=step)
+        self.execution_id = execution_id
+
+
+class ApprovalRequired(AgentTxnError):
+    """The command needs an approver's decision before it runs (issue 6)."""
+
+    code = "approval_required"
 
 
 def envelope(
