@@ -45,6 +45,8 @@ from orchestrator.demo import (
 from orchestrator.engine import Orchestrator
 from orchestrator.errors import AgentTxnError
 from orchestrator.logging import LEVELS, configure_logging, level_number
+from orchestrator.principals_cli import principals_app
+from orchestrator.serve import serve as serve_command
 
 T = TypeVar("T")
 
@@ -72,6 +74,8 @@ app.add_typer(db_app, name="db")
 app.add_typer(ledger_app, name="ledger")
 review_app = typer.Typer(help="Parked transactions: evidence and decisions.", no_args_is_help=True)
 app.add_typer(review_app, name="review")
+app.add_typer(principals_app, name="principals")
+app.command("serve")(serve_command)
 
 DbOption = Annotated[
     str,

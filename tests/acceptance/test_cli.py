@@ -218,15 +218,18 @@ def test_schema_missing_is_a_clean_error(tmp_path: Path) -> None:
     assert "schema_outdated" in run.err and "agent-txn db upgrade" in run.err
 
 
+from ledger.migrate import HEAD  # noqa: E402
+
+
 def test_db_upgrade_creates_the_schema(tmp_path: Path) -> None:
     url = f"sqlite+aiosqlite:///{tmp_path / 'new.db'}"
     first = cli("db", "upgrade", "--db", url, cwd=tmp_path)
     assert first.code == 0, first.err
-    assert "(empty) → 0001" in first.out
+    assert f"(empty) → {HEAD}" in first.out
     again = cli("db", "upgrade", "--db", url, cwd=tmp_path)
-    assert again.code == 0 and "already at 0001" in again.out
+    assert again.code == 0 and f"already at {HEAD}" in again.out
     current = cli("db", "current", "--db", url, cwd=tmp_path)
-    assert current.code == 0 and "schema at 0001" in current.out
+    assert current.code == 0 and f"schema at {HEAD}" in current.out
     verify = cli("ledger", "verify", "--db", url, cwd=tmp_path)
     assert verify.code == 0, verify.err
     assert "ledger OK: 0 transactions, 0 rows verified" in verify.out

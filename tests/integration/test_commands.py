@@ -565,3 +565,19 @@ async def test_executions_page_newest_first_within_bounds(world: World) -> None:
     for skip, limit in ((-1, 50), (0, 0), (0, 201)):
         with pytest.raises(errors.RequestInvalid):
             await svc.executions(alice, info["command_id"], skip=skip, limit=limit)
+
+
+async def test_lifecycle_callbacks_are_queued_with_the_outcome(world: World) -> None:
+    hooks = [{"url": "https://hooks.example.com/a", "events": ["succeeded", "failed"]}]
+    svc, alice, info = await _setup(world, callbacks=hooks)
+    ok = await svc.execute(alice, info["command_id"], ORDER)
+    world.shop.faults.add(FaultRule(FaultKind.REJECT, provider="payments", action="charge"))
+    with pytest.raises(errors.OutcomeError) as caught:
+        await svc.execute(alice, info["command_id"], {**ORDER, "order_id": "43"})
+    succeeded = await svc.pending_callbacks(str(ok.execution_id))
+    failed = await svc.pending_callbacks(str(caught.value.execution_id))
+    assert [(r.event, r.target, r.state) for r in succeeded] == [
+        ("succeeded", "https://hooks.example.com/a", "pending")
+    ]
+    assert [(r.event, r.state) for r in failed] == [("failed", "pending")]
+    assert failed[0].payload["execution_id"] == caught.value.execution_id
