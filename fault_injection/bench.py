@@ -23,7 +23,9 @@ Commits and statements are counted by the store's SQLAlchemy event listeners
 from __future__ import annotations
 
 import asyncio
+import signal
 import statistics
+import sys
 import tempfile
 import time
 import uuid
@@ -48,16 +50,22 @@ from providers.contract import (
     LookupOutcome,
     Provider,
 )
+from providers.fake.http_server import fake_shop_http_providers
 from providers.fake.shop import FakeShop
+from providers.http import HttpProvider
 from providers.memory import MemoryShop
 
-ProviderKind = Literal["memory", "fake"]
-PROVIDERS: tuple[ProviderKind, ...] = ("memory", "fake")
+ProviderKind = Literal["memory", "fake", "http"]
+PROVIDERS: tuple[ProviderKind, ...] = ("memory", "fake", "http")
 
 #: Effects every happy-path order saga leaves at the provider, exactly once each.
 ONCE_PER_SAGA = ("inventory.reserve", "payments.charge", "email.send")
 #: Effects a happy path must never produce.
 NEVER = ("inventory.release", "payments.refund")
+#: The HTTP client's deadline per call (``--provider http``); the loopback server answers in ms.
+HTTP_TIMEOUT_SECONDS = 5.0
+#: How long the fake shop's server process may take to say it listens (or to stop).
+SERVER_START_SECONDS = 30.0
 
 
 @dataclass(frozen=True)
@@ -76,14 +84,22 @@ class BenchConfig:
     sqlite_synchronous: str = "FULL"
     #: Longest wait for the outbox drain before the run is declared failed.
     drain_timeout_seconds: float = 120.0
+    #: ``--workers W``: W worker processes drain sagas the bench prepared (0: in-process
+    #: ``execute``); ``concurrency`` is then each worker's sagas in hand.
+    workers: int = 0
+    #: Recovery mode: ``sagas`` left in doubt by a crash, then ``workers`` fresh worker
+    #: processes timed until all are terminal (:func:`fault_injection.fleet.run_fleet`).
+    recovery: bool = False
 
     def __post_init__(self) -> None:
-        if self.sagas < 1 or self.concurrency < 1 or self.warmup < 0:
-            raise ValueError("sagas and concurrency must be >= 1, warmup >= 0")
+        if self.sagas < 1 or self.concurrency < 1 or self.warmup < 0 or self.workers < 0:
+            raise ValueError("sagas and concurrency must be >= 1, warmup and workers >= 0")
         if self.provider not in PROVIDERS:
             raise ValueError(f"provider must be one of {', '.join(PROVIDERS)}")
         if self.latency_ms < 0 or self.driver_seconds <= 0:
             raise ValueError("latency_ms must be >= 0 and driver_seconds > 0")
+        if self.recovery and (self.workers < 1 or self.provider != "fake"):
+            raise ValueError("recovery mode needs workers >= 1 and the fake provider")
 
 
 @dataclass
@@ -107,18 +123,27 @@ class BenchResult:
     warmup: int
     latency_ms: float
     sagas_per_s: float
-    p50_ms: float
-    p99_ms: float
-    commits_per_saga: float
-    statements_per_saga: float
-    rollbacks_per_saga: float
+    #: Per ``execute`` call; ``None`` where no caller waits on one saga (workers, recovery).
+    p50_ms: float | None
+    p99_ms: float | None
+    #: ``None`` where the work runs in processes that report no counts (recovery).
+    commits_per_saga: float | None
+    statements_per_saga: float | None
+    rollbacks_per_saga: float | None
     cpu_ms_per_saga: float
-    provider_calls_per_saga: float
+    provider_calls_per_saga: float | None
     driver_commits_per_s: float
     driver_connections: int
-    efficiency: float
+    efficiency: float | None
     elapsed_s: float
     check: CheckOutcome
+    #: ``sequential`` / ``concurrent`` (in-process), ``workers`` or ``recovery``.
+    mode: str = "sequential"
+    workers: int = 0
+    #: ``workers`` mode: the time the bench took to persist the N plans (not in ``elapsed_s``).
+    prepare_s: float | None = None
+    #: Mode-specific figures (``per_worker``, ``statuses``, ...), under their own keys.
+    extra: dict[str, Any] = field(default_factory=dict)
 
     def as_json(self) -> dict[str, Any]:
         """The report under stable keys (``--json``)."""
@@ -170,16 +195,28 @@ class InstrumentedProvider:
         )
 
 
-class _Shop:
-    """The provider side of a run: memory or fake, with one way to count effects."""
+class Shop:
+    """The provider side of a run: memory, fake or the fake over HTTP, with one way to count
+    effects (``http``: the served shop's own database)."""
 
-    def __init__(self, memory: MemoryShop | None, fake: FakeShop | None) -> None:
+    def __init__(
+        self,
+        memory: MemoryShop | None,
+        fake: FakeShop | None,
+        http: list[HttpProvider] | None = None,
+        base_url: str | None = None,
+    ) -> None:
         self.memory = memory
         self.fake = fake
+        self.http = http
+        #: ``http``: where the shop is served (worker processes reach it there too).
+        self.base_url = base_url
 
     def providers(self) -> list[Provider]:
         if self.memory is not None:
             return self.memory.providers()
+        if self.http is not None:
+            return list(self.http)
         assert self.fake is not None
         return self.fake.providers()
 
@@ -195,18 +232,58 @@ class _Shop:
 
 
 @asynccontextmanager
-async def _open_shop(kind: ProviderKind, provider_url: str) -> AsyncIterator[_Shop]:
+async def serve_shop_process(provider_url: str) -> AsyncIterator[str]:
+    """The fake shop served over HTTP by its own process (``python -m
+    fault_injection.bench_workers shop``: :class:`~providers.fake.http_server.FakeShopServer`,
+    stocked, on a free loopback port); yields its base URL and stops it (SIGTERM) after."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "fault_injection.bench_workers",
+        "shop",
+        "--provider-url",
+        provider_url,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
+    try:
+        assert proc.stdout is not None
+        line = await asyncio.wait_for(proc.stdout.readline(), SERVER_START_SECONDS)
+        text = line.decode().strip()
+        if not text.startswith("listening on http"):
+            raise RuntimeError(f"the fake shop's server did not start (said {text!r})")
+        yield text.rsplit(" ", 1)[1]
+    finally:
+        if proc.returncode is None:
+            proc.send_signal(signal.SIGTERM)
+        await asyncio.wait_for(proc.wait(), SERVER_START_SECONDS)
+
+
+@asynccontextmanager
+async def open_shop(kind: ProviderKind, provider_url: str) -> AsyncIterator[Shop]:
+    """The provider side of a run, stocked. ``http``: the shop is served by its own process
+    (a remote service: its CPU is not the client's) and reached through :class:`HttpProvider`;
+    this process opens the shop's database only to count effects."""
     if kind == "memory":
         memory = MemoryShop()
         memory.seed_stock(STOCK)
-        yield _Shop(memory, None)
+        yield Shop(memory, None)
         return
-    fake = await FakeShop.open(provider_url)
-    try:
-        await fake.seed_stock(STOCK)
-        yield _Shop(None, fake)
-    finally:
-        await fake.close()
+    async with AsyncExitStack() as stack:
+        base_url = None
+        if kind == "http":
+            base_url = await stack.enter_async_context(serve_shop_process(provider_url))
+        fake = await FakeShop.open(provider_url)
+        stack.push_async_callback(fake.close)
+        if kind == "fake":
+            await fake.seed_stock(STOCK)
+            yield Shop(None, fake)
+            return
+        assert base_url is not None
+        clients = fake_shop_http_providers(base_url, timeout=HTTP_TIMEOUT_SECONDS)
+        for client in clients:
+            stack.push_async_callback(client.aclose)
+        yield Shop(None, fake, clients, base_url)
 
 
 def _percentile(sorted_ms: list[float], q: float) -> float:
@@ -288,7 +365,7 @@ async def driver_commit_rate(
         await engine.dispose()
 
 
-async def _check(shop: _Shop, orch: Orchestrator, expected: int) -> CheckOutcome:
+async def _check(shop: Shop, orch: Orchestrator, expected: int) -> CheckOutcome:
     counts = await shop.counts()
     problems = [
         f"{name}: {counts.get(name, 0)} effects for {expected} intents"
@@ -314,17 +391,25 @@ async def run_bench(
     otherwise ``db`` (omitted: SQLite files; a PostgreSQL URL: that server) gets fresh ones,
     dropped after."""
     async with AsyncExitStack() as stack:
+        if workdir is None:
+            workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-")))
         if urls is None:
-            if workdir is None:
-                workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-")))
             urls = await stack.enter_async_context(fresh_databases(db, workdir))
+        if config.recovery:
+            from fault_injection.bench_workers import run_recovery_bench
+
+            return await run_recovery_bench(config, urls)
+        if config.workers:
+            from fault_injection.bench_workers import run_workers_bench
+
+            return await run_workers_bench(config, urls, workdir)
         return await _run_on(config, urls)
     raise AssertionError("unreachable")  # pragma: no cover  (mypy: AsyncExitStack may swallow)
 
 
 async def _run_on(config: BenchConfig, urls: DatabasePair) -> BenchResult:
     calls = [0]
-    async with _open_shop(config.provider, urls.provider) as shop:
+    async with open_shop(config.provider, urls.provider) as shop:
         wrapped = [
             InstrumentedProvider(p, config.latency_ms / 1000, calls) for p in shop.providers()
         ]
@@ -390,6 +475,7 @@ async def _run_on(config: BenchConfig, urls: DatabasePair) -> BenchResult:
         efficiency=sagas_per_s * commits_per_saga / driver if driver else 0.0,
         elapsed_s=elapsed,
         check=check,
+        mode="sequential" if config.concurrency == 1 else "concurrent",
     )
 
 

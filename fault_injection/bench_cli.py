@@ -2,12 +2,18 @@
 
 ::
 
-    agent-txn bench [--db URL] [--sagas N] [--concurrency C] [--provider memory|fake]
-        [--latency-ms L] [--warmup W] [--json PATH] [--sqlite-synchronous FULL|NORMAL]
+    agent-txn bench [--db URL] [--sagas N] [--concurrency C] [--workers W] [--recovery]
+        [--provider memory|fake|http] [--latency-ms L] [--warmup W] [--json PATH]
+        [--compare dbos [--pairs P] [--dbos-sqlite fast|default]]
+        [--sqlite-synchronous FULL|NORMAL] [--driver-seconds S]
 
 ``--db`` omitted runs on fresh SQLite files in a temporary folder; a PostgreSQL URL names the
-*server*: fresh databases are created there and dropped after. Exit status: 0 when the bench's
-checker found exactly one effect per intent, 1 otherwise, 2 on bad usage.
+*server*: fresh databases are created there and dropped after. Modes: in-process ``execute``
+(sequential, or C in flight), ``--workers W`` (W worker processes drain sagas the bench
+prepared; PostgreSQL), ``--recovery`` (N sagas left in doubt by a crash, W fresh worker
+processes timed until all are terminal). ``--compare dbos`` alternates ours and DBOS's, pair by
+pair (in-process modes only). Exit status: 0 when the bench's checker found exactly one effect
+per intent, 1 otherwise, 2 on bad usage.
 
 Lives in ``fault_injection`` (not ``orchestrator``) because it needs the shops and the suite's
 order saga, which the orchestrator layer must not import; it is plugged in through the
@@ -18,8 +24,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import tempfile
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -34,28 +41,45 @@ app = typer.Typer(
 )
 
 
+def _num(value: float | None, fmt: str) -> str:
+    return "—" if value is None else format(value, fmt)
+
+
 def render(result: BenchResult, out: Console) -> None:
     """The human report: one table, then the checker's verdict."""
+    if result.mode == "workers":
+        how = f"{result.workers} worker processes x {result.concurrency} in hand"
+    elif result.mode == "recovery":
+        how = f"recovery by {result.workers} worker processes x {result.concurrency} in hand"
+    else:
+        how = f"concurrency {result.concurrency}"
     table = Table(
         title=f"order saga · {result.backend} · {result.provider} provider · "
-        f"{result.sagas} sagas · concurrency {result.concurrency}"
+        f"{result.sagas} sagas · {how}"
     )
     table.add_column("metric")
     table.add_column("value", justify="right")
     rows = [
-        ("sagas/s", f"{result.sagas_per_s:,.1f}"),
-        ("p50 latency (ms)", f"{result.p50_ms:.2f}"),
-        ("p99 latency (ms)", f"{result.p99_ms:.2f}"),
-        ("commits / saga", f"{result.commits_per_saga:.2f}"),
-        ("statements / saga", f"{result.statements_per_saga:.2f}"),
-        ("client CPU ms / saga", f"{result.cpu_ms_per_saga:.2f}"),
-        ("provider calls / saga", f"{result.provider_calls_per_saga:.2f}"),
+        ("sagas/s", _num(result.sagas_per_s, ",.1f")),
+        ("p50 latency (ms)", _num(result.p50_ms, ".2f")),
+        ("p99 latency (ms)", _num(result.p99_ms, ".2f")),
+        ("commits / saga", _num(result.commits_per_saga, ".2f")),
+        ("statements / saga", _num(result.statements_per_saga, ".2f")),
+        ("client CPU ms / saga", _num(result.cpu_ms_per_saga, ".2f")),
+        ("provider calls / saga", _num(result.provider_calls_per_saga, ".2f")),
         (
             f"driver commits/s ({result.driver_connections} conn)",
-            f"{result.driver_commits_per_s:,.0f}",
+            _num(result.driver_commits_per_s, ",.0f"),
         ),
-        ("efficiency", f"{result.efficiency:.2f}"),
+        ("efficiency", _num(result.efficiency, ".2f")),
     ]
+    if result.prepare_s is not None:
+        rows.append(("prepare (s, not in sagas/s)", _num(result.prepare_s, ".2f")))
+        rows.append(
+            ("end-to-end sagas/s", _num(result.extra.get("end_to_end_sagas_per_s"), ",.1f"))
+        )
+    if result.mode == "recovery":
+        rows.append(("seconds to settle", _num(result.elapsed_s, ".2f")))
     for name, value in rows:
         table.add_row(name, value)
     out.print(table)
@@ -71,16 +95,31 @@ def render(result: BenchResult, out: Console) -> None:
             out.print(f"  - {problem}")
 
 
+def _usage(out: Console, message: str) -> typer.Exit:
+    out.print(f"[red]error:[/] {message}")
+    return typer.Exit(2)
+
+
 @app.callback()
 def bench(
     db: Annotated[str | None, typer.Option(help="SQLite URL, or a PostgreSQL server URL.")] = None,
     sagas: Annotated[int, typer.Option(min=1, help="Measured sagas.")] = 1000,
-    concurrency: Annotated[int, typer.Option(min=1, max=1024, help="Sagas in flight.")] = 1,
-    provider: Annotated[str, typer.Option(help="memory | fake")] = "memory",
+    concurrency: Annotated[
+        int, typer.Option(min=1, max=1024, help="Sagas in flight (per worker with --workers).")
+    ] = 1,
+    workers: Annotated[
+        int, typer.Option(min=0, max=64, help="Worker processes (PostgreSQL); 0: in-process.")
+    ] = 0,
+    recovery: Annotated[
+        bool, typer.Option(help="Recovery mode: N in-doubt sagas, W fresh workers.")
+    ] = False,
+    provider: Annotated[str, typer.Option(help="memory | fake | http")] = "memory",
     latency_ms: Annotated[
         float, typer.Option(min=0, help="Added to every provider call (asyncio.sleep).")
     ] = 0.0,
-    warmup: Annotated[int, typer.Option(min=0, help="Sagas run before measuring.")] = 20,
+    warmup: Annotated[
+        int, typer.Option(min=0, help="Sagas run before measuring (per worker with --workers).")
+    ] = 20,
     json_path: Annotated[
         Path | None, typer.Option("--json", help="Write the results as JSON to PATH.")
     ] = None,
@@ -90,6 +129,13 @@ def bench(
     driver_seconds: Annotated[
         float, typer.Option(min=0.1, help="Length of the driver's small-commit loop.")
     ] = 1.5,
+    compare: Annotated[
+        str | None, typer.Option(help="dbos: run DBOS's version alternately with ours.")
+    ] = None,
+    pairs: Annotated[int, typer.Option(min=1, max=20, help="Pairs with --compare.")] = 3,
+    dbos_sqlite: Annotated[
+        str, typer.Option(help="DBOS on SQLite: fast (WAL + NORMAL) | default (as DBOS sets it).")
+    ] = "fast",
 ) -> None:
     """Run the order saga (reserve + charge, receipt via the outbox) and report its costs."""
     from fault_injection.cli import checked_db
@@ -97,23 +143,88 @@ def bench(
     checked_db(db)
     out = Console(highlight=False, soft_wrap=True)
     if provider not in PROVIDERS:
-        out.print(f"[red]error:[/] --provider must be one of {', '.join(PROVIDERS)}")
-        raise typer.Exit(2)
+        raise _usage(out, f"--provider must be one of {', '.join(PROVIDERS)}")
     if sqlite_synchronous.upper() not in {"OFF", "NORMAL", "FULL", "EXTRA"}:
-        out.print("[red]error:[/] --sqlite-synchronous must be OFF, NORMAL, FULL or EXTRA")
-        raise typer.Exit(2)
+        raise _usage(out, "--sqlite-synchronous must be OFF, NORMAL, FULL or EXTRA")
+    postgres = db is not None and db.startswith("postgres")
+    if workers and not recovery and not postgres:
+        raise _usage(out, "--workers needs a PostgreSQL --db (SQLite has one writer)")
+    if recovery:
+        if provider != "fake":
+            raise _usage(out, "--recovery runs the fleet's fake shop: add --provider fake")
+        workers = workers or 1
+    if compare is not None:
+        if compare != "dbos":
+            raise _usage(out, "--compare takes one value: dbos")
+        if workers or recovery:
+            raise _usage(out, "--compare dbos runs the in-process modes only (no --workers)")
+        if dbos_sqlite not in ("fast", "default"):
+            raise _usage(out, "--dbos-sqlite must be fast or default")
+        from fault_injection.bench_dbos import dbos_available
+
+        if not dbos_available():
+            raise _usage(
+                out, "--compare dbos needs the bench extra: pip install 'agent-txn[bench]'"
+            )
     config = BenchConfig(
         sagas=sagas,
         concurrency=concurrency,
-        provider="memory" if provider == "memory" else "fake",
+        provider=provider,
         latency_ms=latency_ms,
         warmup=warmup,
         driver_seconds=driver_seconds,
         sqlite_synchronous=sqlite_synchronous.upper(),
+        workers=workers,
+        recovery=recovery,
     )
-    result = asyncio.run(run_bench(config, db=db))
-    render(result, out)
+    if compare is None:
+        result = asyncio.run(run_bench(config, db=db))
+        render(result, out)
+        data = result.as_json()
+        ok = result.check.ok
+    else:
+        data, ok = _compare(config, db, pairs, dbos_sqlite, out)
     if json_path is not None:
-        json_path.write_text(json.dumps(result.as_json(), indent=2) + "\n", encoding="utf-8")
-    if not result.check.ok:
+        json_path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    if not ok:
         raise typer.Exit(1)
+
+
+def _compare(
+    config: BenchConfig, db: str | None, pairs: int, dbos_sqlite: str, out: Console
+) -> tuple[dict[str, Any], bool]:
+    """Ours, then DBOS's, ``pairs`` times in this process; the ratio printed per pair."""
+    from fault_injection.bench_dbos import ComparePair, compare_json, run_dbos
+
+    done: list[ComparePair] = []
+    with tempfile.TemporaryDirectory(prefix="bench-dbos-") as tmp:
+        for i in range(pairs):
+            ours = asyncio.run(run_bench(config, db=db))
+            theirs = run_dbos(
+                db,
+                Path(tmp),
+                sagas=config.sagas,
+                concurrency=config.concurrency,
+                warmup=config.warmup,
+                sqlite_tuning="fast" if dbos_sqlite == "fast" else "default",
+            )
+            pair = ComparePair(ours, theirs)
+            done.append(pair)
+            out.print(
+                f"pair {i + 1}/{pairs} · {ours.backend} · C={config.concurrency}: "
+                f"ours {ours.sagas_per_s:,.1f} sagas/s ({ours.cpu_ms_per_saga:.1f} ms CPU, "
+                f"{_num(ours.commits_per_saga, '.2f')} commits) · DBOS "
+                f"{theirs.sagas_per_s:,.1f} workflows/s ({theirs.cpu_ms_per_saga:.1f} ms CPU, "
+                f"{theirs.commits_per_saga:.2f} commits, {theirs.settings}) · "
+                f"ratio {pair.ratio:.2f}x"
+            )
+            for problem in [*ours.check.problems, *theirs.problems]:
+                out.print(f"  [red]check FAILED[/]: {problem}")
+    median = sorted(done, key=lambda p: p.ours.sagas_per_s)[len(done) // 2].ours
+    render(median, out)
+    data = compare_json(done)
+    out.print(
+        f"median over {pairs} pairs: ours {median.sagas_per_s:,.1f} sagas/s · DBOS "
+        f"{data['dbos_sagas_per_s']:,.1f} workflows/s · ratio {data['ratio_vs_dbos']:.2f}x"
+    )
+    return data, bool(data["check_ok"])

@@ -202,6 +202,12 @@ def insert_ignore(dialect: Dialect, table: Table, values: dict[str, Any]) -> Ins
     return sqlite_insert(table).values(values).on_conflict_do_nothing()
 
 
+def upsert_insert(dialect: Dialect, table: Table) -> Any:
+    """The dialect's ``INSERT`` construct, for ``… ON CONFLICT DO UPDATE`` upserts (both
+    backends spell it the same way: ``.on_conflict_do_update(index_elements=…, set_=…)``)."""
+    return postgresql_insert(table) if dialect == "postgresql" else sqlite_insert(table)
+
+
 def skip_locked(stmt: Select[Any], dialect: Dialect) -> Select[Any]:
     """Let concurrent claimers pass over rows another worker is claiming (PostgreSQL).
 

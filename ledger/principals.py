@@ -21,9 +21,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Table, case, delete, func, select, update
-from sqlalchemy.dialects.postgresql import insert as postgresql_insert
-from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy import case, delete, func, select, update
 from sqlalchemy.engine import Row
 from sqlalchemy.ext.asyncio import AsyncConnection
 
@@ -128,10 +126,7 @@ def _membership(row: Row[Any]) -> MembershipRow:
     )
 
 
-def _insert(dialect: dialects.Dialect, table: Table) -> Any:
-    # An upsert needs the dialect's own INSERT (``on_conflict_do_update`` and ``excluded``); both
-    # dialects spell it the same way. Typed ``Any``: the two builder classes share no base with it.
-    return postgresql_insert(table) if dialect == "postgresql" else sqlite_insert(table)
+_insert = dialects.upsert_insert
 
 
 # -- principals ---------------------------------------------------------------------------------

@@ -2,10 +2,11 @@
 
 It offers the fake shop's actions with the *same contracts and payload checks* (taken from
 :mod:`providers.fake.actions`), the same key + payload dedup (a replay answers the first result;
-another payload under a used key is refused), the same lookup (with void tombstones) and the same
-fencing (highest fence per key). What it leaves out is what costs time: no database, no call log,
-no fault plan. The benchmark uses it to measure the engine alone; the fault-injection suite keeps
-using the fake shop, whose effects survive a crash of this process.
+another payload under a used key is refused), the same lookup (with void tombstones), the same
+fencing (highest fence per key) and the same read-only query actions (``inventory.stock``,
+``payments.charges``: answered fresh, never remembered). What it leaves out is what costs time:
+no database, no call log, no fault plan. The benchmark uses it to measure the engine alone; the
+fault-injection suite keeps using the fake shop, whose effects survive a crash of this process.
 
 Everything runs on one event loop without awaiting inside a decision, so each apply or lookup is
 atomic with respect to the other coroutines: no lock is needed.
@@ -35,7 +36,13 @@ from providers.contract import (
     Rejected,
     UnknownAction,
 )
-from providers.fake.actions import build_specs, required_problem
+from providers.fake.actions import (
+    build_specs,
+    charge_item,
+    charges_answer,
+    required_problem,
+    stock_answer,
+)
 from providers.fake.shop import COUNTED_ACTIONS
 
 Business = Callable[[str, JsonObject], Confirmed | Rejected]
@@ -71,7 +78,7 @@ class _Books:
     stock: dict[str, int] = field(default_factory=dict)
     #: reservation_id -> (sku, quantity, released_by)
     reservations: dict[str, list[Any]] = field(default_factory=dict)
-    #: charge_id -> {"amount", "currency", "refunded"}
+    #: charge_id -> {"amount", "currency", "refunded", "order_id"} (insertion = creation order)
     charges: dict[str, dict[str, Any]] = field(default_factory=dict)
     emails: list[dict[str, Any]] = field(default_factory=list)
     #: Applied effects per ``provider.action`` (replays not counted): the bench's checker.
@@ -137,6 +144,9 @@ class MemoryProvider:
         problem = self._payload_problem(contract, payload)
         if problem is not None:
             return Rejected(f"invalid_payload: {problem}")
+        if contract.read_only:
+            # A read has no effect to remember: no entry, no counters, a fresh answer each time.
+            return self._business[action](key, payload)
         sha = hashlib.sha256(_canonical(dict(payload)).encode()).hexdigest()
         entry = self._entries.get(key)
         if entry is not None:
@@ -235,7 +245,12 @@ class MemoryShop:
                 return Rejected("card_declined")
             cid = _new_id("ch")
             amount, currency = int(payload["amount"]), str(payload["currency"])
-            b.charges[cid] = {"amount": amount, "currency": currency, "refunded": 0}
+            b.charges[cid] = {
+                "amount": amount,
+                "currency": currency,
+                "refunded": 0,
+                "order_id": payload.get("order_id"),
+            }
             return Confirmed(cid, {"charge_id": cid, "amount": amount, "currency": currency})
 
         def refund(key: str, payload: JsonObject) -> Confirmed | Rejected:
@@ -259,9 +274,22 @@ class MemoryShop:
             b.emails.append({"message_id": mid, "key": key, "to": str(payload["to"])})
             return Confirmed(mid, {"message_id": mid})
 
+        def stock(key: str, payload: JsonObject) -> Confirmed | Rejected:
+            sku = str(payload["sku"])
+            return stock_answer(sku, b.stock.get(sku))
+
+        def charges(key: str, payload: JsonObject) -> Confirmed | Rejected:
+            wanted = payload.get("order_id")
+            items = [
+                charge_item(cid, c["order_id"], c["amount"], c["currency"], c["refunded"])
+                for cid, c in b.charges.items()
+                if wanted is None or c["order_id"] == wanted
+            ]
+            return charges_answer(None if wanted is None else str(wanted), items)
+
         business: dict[str, dict[str, Business]] = {
-            "inventory": {"reserve": reserve, "release": release},
-            "payments": {"charge": charge, "refund": refund},
+            "inventory": {"reserve": reserve, "release": release, "stock": stock},
+            "payments": {"charge": charge, "refund": refund, "charges": charges},
             "email": {"send": send},
         }
 

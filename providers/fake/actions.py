@@ -7,10 +7,24 @@ and faults are not handled here; :mod:`providers.fake.provider` wraps every acti
 
 Amounts are positive integers in minor units (cents), as Stripe takes them: integer arithmetic
 makes over-refund checks exact on both backends.
+
+Two actions are reads (``read_only`` contracts): ``inventory.stock`` and ``payments.charges``.
+Commands call them in query steps, at prepare, before anything is written; they change nothing,
+so they are neither deduplicated, fenced, looked up nor compensated, and the provider keeps no
+idempotency entry for them. Their answers list what they found under ``items`` (the field a
+query's cardinality counts).
+
+Every contract declares ``fields``: the payload and result fields the action knows, including
+the correlation fields callers pass through (``order_id``/``order`` on a charge, ``charge`` /
+``charge_id`` on a receipt, ``for`` on a reservation), which are kept with the effect. A command
+that depends on a field outside them is refused at authoring, and a version-1 command checks
+before each execute that its fields are still there. ``payments.charges`` filters on the
+charge's ``order_id``.
 """
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -118,6 +132,26 @@ async def _release(conn: AsyncConnection, key: str, payload: JsonObject) -> Conf
     return Confirmed(release_id, {"release_id": release_id, "reservation_id": reservation_id})
 
 
+def _validate_stock(payload: JsonObject) -> str | None:
+    return _nonempty_str(payload, "sku")
+
+
+def stock_answer(sku: str, available: int | None) -> Confirmed:
+    """The answer of ``inventory.stock`` (shared with the in-memory shop): an unknown SKU has no
+    items and 0 available, so a cardinality ``min: 1`` is how a command insists it exists."""
+    items = [] if available is None else [{"sku": sku, "available": available}]
+    return Confirmed(f"stock:{sku}", {"sku": sku, "available": available or 0, "items": items})
+
+
+async def _stock(conn: AsyncConnection, key: str, payload: JsonObject) -> Confirmed | Rejected:
+    s = schema.stock
+    sku = str(payload["sku"])
+    available = (
+        await conn.execute(select(s.c.available).where(s.c.sku == sku))
+    ).scalar_one_or_none()
+    return stock_answer(sku, None if available is None else int(available))
+
+
 # -- payments ---------------------------------------------------------------------------------
 
 
@@ -168,6 +202,52 @@ async def _refund(conn: AsyncConnection, key: str, payload: JsonObject) -> Confi
     return Confirmed(refund_id, {"refund_id": refund_id, "charge_id": charge_id, "amount": amount})
 
 
+def _validate_charges(payload: JsonObject) -> str | None:
+    return None if payload.get("order_id") is None else _nonempty_str(payload, "order_id")
+
+
+def charges_answer(order_id: str | None, items: list[dict[str, Any]]) -> Confirmed:
+    """The answer of ``payments.charges`` (shared with the in-memory shop)."""
+    return Confirmed(f"charges:{order_id or '*'}", {"items": items})
+
+
+def charge_item(
+    charge_id: str, order_id: object, amount: int, currency: str, refunded: int
+) -> dict[str, Any]:
+    """One charge as ``payments.charges`` lists it (``order_id`` is null when none was given)."""
+    return {
+        "charge_id": charge_id,
+        "order_id": order_id if isinstance(order_id, str) else None,
+        "amount": amount,
+        "currency": currency,
+        "refunded": refunded,
+    }
+
+
+async def _charges(conn: AsyncConnection, key: str, payload: JsonObject) -> Confirmed | Rejected:
+    c, e = schema.charges, schema.effects
+    wanted = payload.get("order_id")
+    # The order a charge belongs to is in the payload it was made with (the effect row); the
+    # charges table has no column for it, so an existing shop database keeps working.
+    rows = (
+        await conn.execute(
+            select(c.c.charge_id, c.c.amount, c.c.currency, c.c.refunded, e.c.payload)
+            .join(e, e.c.remote_id == c.c.charge_id)
+            .order_by(e.c.seq)
+        )
+    ).all()
+    items = []
+    for row in rows:
+        order_id = json.loads(row.payload).get("order_id")
+        if wanted is None or order_id == wanted:
+            items.append(
+                charge_item(
+                    row.charge_id, order_id, int(row.amount), row.currency, int(row.refunded)
+                )
+            )
+    return charges_answer(None if wanted is None else str(wanted), items)
+
+
 # -- email ------------------------------------------------------------------------------------
 
 
@@ -198,6 +278,17 @@ def build_specs(dedup_window_seconds: float) -> dict[str, dict[str, ActionSpec]]
         "supports_fencing": True,
     }
 
+    # A read: no dedup, no lookup, no fencing, nothing to compensate, nothing remembered.
+    read: dict[str, Any] = {
+        "read_only": True,
+        "compensation": None,
+        "dedups_by_key": False,
+        "dedup_window_seconds": 0.0,
+        "supports_lookup": False,
+        "lookup_authoritative": False,
+        "supports_fencing": False,
+    }
+
     def spec(contract: ActionContract, validate: Validate, perform: Perform) -> ActionSpec:
         return ActionSpec(contract, validate, perform)
 
@@ -210,6 +301,7 @@ def build_specs(dedup_window_seconds: float) -> dict[str, dict[str, ActionSpec]]
                     supports_void=True,
                     echo_fields=("sku", "quantity"),
                     required_fields=("sku", "quantity"),
+                    fields=("for", "order_id", "quantity", "reservation_id", "sku"),
                     **common,
                 ),
                 _validate_reserve,
@@ -220,10 +312,21 @@ def build_specs(dedup_window_seconds: float) -> dict[str, dict[str, ActionSpec]]
                     "release",
                     is_compensation=True,
                     required_fields=("reservation_id",),
+                    fields=("release_id", "reservation_id"),
                     **common,
                 ),
                 _validate_release,
                 _release,
+            ),
+            "stock": spec(
+                ActionContract(
+                    "stock",
+                    required_fields=("sku",),
+                    fields=("available", "items", "sku"),
+                    **read,
+                ),
+                _validate_stock,
+                _stock,
             ),
         },
         "payments": {
@@ -234,6 +337,7 @@ def build_specs(dedup_window_seconds: float) -> dict[str, dict[str, ActionSpec]]
                     supports_void=True,
                     echo_fields=("amount", "currency"),
                     required_fields=("amount", "currency"),
+                    fields=("amount", "card", "charge_id", "currency", "order", "order_id"),
                     **common,
                 ),
                 _validate_charge,
@@ -245,16 +349,26 @@ def build_specs(dedup_window_seconds: float) -> dict[str, dict[str, ActionSpec]]
                     is_compensation=True,
                     echo_fields=("charge_id", "amount"),
                     required_fields=("charge_id", "amount"),
+                    fields=("amount", "charge_id", "currency", "refund_id"),
                     **common,
                 ),
                 _validate_refund,
                 _refund,
             ),
+            "charges": spec(
+                ActionContract("charges", fields=("items", "order_id"), **read),
+                _validate_charges,
+                _charges,
+            ),
         },
         "email": {
             "send": spec(
                 ActionContract(
-                    "send", supports_void=True, required_fields=("to", "template"), **common
+                    "send",
+                    supports_void=True,
+                    required_fields=("to", "template"),
+                    fields=("charge", "charge_id", "message_id", "order_id", "template", "to"),
+                    **common,
                 ),
                 _validate_send,
                 _send,
@@ -269,4 +383,11 @@ def required_problem(contract: ActionContract, payload: Mapping[str, Any]) -> st
     return f"missing required fields: {', '.join(missing)}" if missing else None
 
 
-__all__ = ["ActionSpec", "build_specs", "required_problem"]
+__all__ = [
+    "ActionSpec",
+    "build_specs",
+    "charge_item",
+    "charges_answer",
+    "required_problem",
+    "stock_answer",
+]

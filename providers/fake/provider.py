@@ -5,6 +5,9 @@
 the call-log row. Faults are layered around that transaction: FAIL_BEFORE and TIMEOUT with
 ``effect_first=False`` act before it; LOSE_RESPONSE, TIMEOUT and INDETERMINATE_5XX after it has
 committed, which is exactly the situation the engine must survive.
+
+Read-only actions (``inventory.stock``, ``payments.charges``) skip the idempotency cache: they
+have no effect to remember, so they are answered fresh on every call and only logged.
 """
 
 from __future__ import annotations
@@ -139,7 +142,7 @@ class FakeProvider:
                 answer = "fenced_out"
             elif kind is FaultKind.LOSE_RESPONSE:
                 answer = "lost_response"
-            elif isinstance(seen, Confirmed) and not created:
+            elif isinstance(seen, Confirmed) and not created and not spec.contract.read_only:
                 answer = "replayed"
             else:
                 answer = _describe(seen)
@@ -170,6 +173,8 @@ class FakeProvider:
         problem = self._payload_problem(spec, payload)
         if problem is not None:
             return Rejected(f"invalid_payload: {problem}"), False
+        if contract.read_only:
+            return await self._read(conn, spec, key, payload, fault), False
         payload_text = canonical_json(dict(payload))
         sha = sha256_hex(payload_text)
 
@@ -205,6 +210,26 @@ class FakeProvider:
         # so a retry with the same key must not succeed later (after a restock, say).
         await ctx.store.insert_entry(conn, **entry_values, status="rejected", reason=decided.reason)
         return decided, False
+
+    @staticmethod
+    async def _read(
+        conn: AsyncConnection,
+        spec: ActionSpec,
+        key: str,
+        payload: JsonObject,
+        fault: FaultRule | None,
+    ) -> ApplyOutcome:
+        """A read-only action: answered from the business tables, with no idempotency entry.
+
+        A read has no effect to remember, so the key is not recorded: a later read with the same
+        key reads again (and sees what changed since). Faults still apply, so a query step can be
+        made to fail like any call.
+        """
+        if fault is not None and fault.kind is FaultKind.INDETERMINATE_5XX and not fault.applied:
+            return Unknown(_HTTP_503)
+        if fault is not None and fault.kind is FaultKind.REJECT:
+            return Rejected("injected_rejection")
+        return await spec.perform(conn, key, payload)
 
     @staticmethod
     def _payload_problem(spec: ActionSpec, payload: object) -> str | None:

@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 
 from fault_injection.bench import BenchConfig, run_bench
 from fault_injection.bench_cli import app
+from fault_injection.bench_dbos import dbos_available
 from fault_injection.contract_checks import check_provider_contract
 from fault_injection.harness import DatabasePair
 from providers.contract import Confirmed, FencedOut, Rejected
@@ -24,6 +25,24 @@ from tests.conftest import DbUrls
 
 #: 2 steps + 1 outbox event.
 MAX_COMMITS_PER_SAGA = 2 + 3
+#: The keys ``--json`` promises in every mode.
+STABLE_KEYS = (
+    "sagas_per_s",
+    "p50_ms",
+    "p99_ms",
+    "commits_per_saga",
+    "statements_per_saga",
+    "cpu_ms_per_saga",
+    "driver_commits_per_s",
+    "efficiency",
+    "provider_calls_per_saga",
+    "backend",
+    "sagas",
+    "concurrency",
+    "provider",
+    "mode",
+    "workers",
+)
 
 
 def _pair(db_urls: DbUrls) -> DatabasePair:
@@ -48,11 +67,12 @@ async def test_bench_counts_commits_and_effects(
     assert result.check.expected == 22
     for name in ("inventory.reserve", "payments.charge", "email.send"):
         assert result.check.counts[name] == 22
+    assert result.commits_per_saga is not None
     assert 0 < result.commits_per_saga <= MAX_COMMITS_PER_SAGA
-    assert result.statements_per_saga > result.commits_per_saga
-    assert result.provider_calls_per_saga >= 3
+    assert (result.statements_per_saga or 0) > result.commits_per_saga
+    assert (result.provider_calls_per_saga or 0) >= 3
     assert result.driver_commits_per_s > 0
-    assert result.efficiency > 0
+    assert (result.efficiency or 0) > 0
 
 
 def test_bench_cli_writes_stable_json_keys(tmp_path: Path) -> None:
@@ -65,29 +85,124 @@ def test_bench_cli_writes_stable_json_keys(tmp_path: Path) -> None:
     assert got.exit_code == 0, got.output
     assert "check OK" in got.output
     data = json.loads(out.read_text())
-    for key in (
-        "sagas_per_s",
-        "p50_ms",
-        "p99_ms",
-        "commits_per_saga",
-        "statements_per_saga",
-        "cpu_ms_per_saga",
-        "driver_commits_per_s",
-        "efficiency",
-        "provider_calls_per_saga",
-        "backend",
-        "sagas",
-        "concurrency",
-        "provider",
-    ):
+    for key in STABLE_KEYS:
         assert key in data
     assert data["backend"] == "sqlite"
     assert data["sagas"] == 5
 
 
 def test_bench_cli_refuses_unknown_provider() -> None:
-    got = CliRunner().invoke(app, ["--provider", "http"])
+    got = CliRunner().invoke(app, ["--provider", "smtp"])
     assert got.exit_code == 2
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--workers", "2"],  # SQLite: worker processes need PostgreSQL
+        ["--recovery", "--provider", "memory"],  # recovery runs the fleet's fake shop
+        ["--compare", "temporal"],
+    ],
+)
+def test_bench_cli_refuses_bad_mode_combinations(args: list[str]) -> None:
+    got = CliRunner().invoke(app, ["--sagas", "1", *args])
+    assert got.exit_code == 2, got.output
+
+
+async def test_bench_over_http_counts_commits_and_effects(db_urls: DbUrls) -> None:
+    """The fake shop served by its own process; every provider call is a real HTTP request."""
+    config = BenchConfig(sagas=10, concurrency=2, provider="http", warmup=1, driver_seconds=0.1)
+    result = await run_bench(config, urls=_pair(db_urls))
+
+    assert result.check.ok, result.check.problems
+    assert result.check.counts["email.send"] == 11
+    assert 0 < (result.commits_per_saga or 0) <= MAX_COMMITS_PER_SAGA
+    assert result.provider_calls_per_saga == 3
+
+
+def test_bench_cli_http_provider_writes_json_keys(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    got = CliRunner().invoke(
+        app,
+        [
+            *("--provider", "http", "--sagas", "4", "--warmup", "1", "--driver-seconds", "0.1"),
+            *("--json", str(out)),
+        ],
+    )
+    assert got.exit_code == 0, got.output
+    data = json.loads(out.read_text())
+    for key in STABLE_KEYS:
+        assert key in data, key
+    assert data["provider"] == "http"
+    assert data["check_ok"] is True
+
+
+@pytest.mark.parametrize("backend", ["postgres"])
+async def test_bench_workers_one_effect_per_intent(db_urls: DbUrls, tmp_path: Path) -> None:
+    """Two worker processes drain prepared sagas; the shop's own database is the judge."""
+    config = BenchConfig(
+        sagas=24, concurrency=4, provider="fake", warmup=1, workers=2, driver_seconds=0.1
+    )
+    result = await run_bench(config, urls=_pair(db_urls), workdir=tmp_path)
+
+    assert result.check.ok, result.check.problems
+    assert result.mode == "workers"
+    expected = 24 + 2 * 1  # the measured sagas and each worker's warm-up
+    assert result.check.expected == expected
+    for name in ("inventory.reserve", "payments.charge", "email.send"):
+        assert result.check.counts[name] == expected
+    assert result.check.counts["inventory.release"] == 0
+    per_worker = result.extra["per_worker"]
+    assert len(per_worker) == 2
+    assert sum(w["finished"] for w in per_worker) >= 24
+    assert result.commits_per_saga is not None and result.commits_per_saga > 0
+
+
+@pytest.mark.parametrize("backend", ["postgres"])
+async def test_bench_workers_memory_shops_add_up(db_urls: DbUrls, tmp_path: Path) -> None:
+    """Memory provider: one shop per worker process, their counts added up by the checker."""
+    config = BenchConfig(sagas=12, concurrency=4, warmup=0, workers=2, driver_seconds=0.1)
+    result = await run_bench(config, urls=_pair(db_urls), workdir=tmp_path)
+
+    assert result.check.ok, result.check.problems
+    assert result.check.counts["payments.charge"] == 12
+
+
+@pytest.mark.parametrize("backend", ["postgres"])
+async def test_bench_recovery_drives_in_doubt_sagas_to_terminal(db_urls: DbUrls) -> None:
+    config = BenchConfig(
+        sagas=8, concurrency=4, provider="fake", workers=2, recovery=True, driver_seconds=0.1
+    )
+    result = await run_bench(config, urls=_pair(db_urls))
+
+    assert result.check.ok, result.check.problems
+    assert result.mode == "recovery"
+    assert result.extra["statuses"] == {"committed": 8}
+    assert result.check.counts["payments.charge"] == 8
+    assert result.elapsed_s > 0
+    assert result.sagas_per_s > 0
+
+
+@pytest.mark.skipif(not dbos_available(), reason="dbos is not installed (extra: bench)")
+def test_bench_cli_compare_dbos_writes_ratio(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    got = CliRunner().invoke(
+        app,
+        [
+            *("--compare", "dbos", "--pairs", "1", "--sagas", "5", "--warmup", "1"),
+            *("--driver-seconds", "0.1", "--json", str(out)),
+        ],
+    )
+    assert got.exit_code == 0, got.output
+    assert "pair 1/1" in got.output and "ratio" in got.output
+    data = json.loads(out.read_text())
+    for key in (*STABLE_KEYS, "dbos_sagas_per_s", "ratio_vs_dbos"):
+        assert key in data, key
+    assert data["dbos_sagas_per_s"] > 0
+    assert data["ratio_vs_dbos"] == pytest.approx(
+        data["pairs"][0]["sagas_per_s"] / data["pairs"][0]["dbos_sagas_per_s"]
+    )
+    assert data["check_ok"] is True
 
 
 @pytest.mark.parametrize(
