@@ -100,6 +100,9 @@ async def test_providers_satisfy_the_protocol_and_contracts(shop: FakeShop) -> N
     assert send.irreversible and send.required_fields == ("to", "template")
     for provider in shop.providers():
         for contract in provider.actions().values():
+            if contract.read_only:  # reads: no key, nothing to dedup, fence or look up
+                assert not contract.dedups_by_key and contract.compensation is None
+                continue
             assert contract.dedups_by_key and contract.supports_fencing
             assert contract.supports_lookup and contract.lookup_authoritative
     with pytest.raises(UnknownAction, match="teleport"):
