@@ -4,9 +4,11 @@ An execution is written before anything runs (status ``running``, or ``staged`` 
 an approval) and finished once with its outcome, so a run that crashed half-way is still visible.
 It is not a saga: its transaction (``tx_id``) has its own ledger; nothing here writes ledger rows.
 
-Finished executions are pruned after a retention period. Their idempotency reservations and
-callback runs go with them in the same transaction, so no reservation outlives the execution it
-names and no callback points at a deleted row (``callback_runs.execution_id`` is a foreign key).
+Finished executions are pruned after a retention period. Their idempotency reservations, callback
+runs and agent-toolbox rows (``staged_actions``, ``staged_changes``: an agent-confirmed or approved
+execution that finished keeps them) go with them in the same transaction, so no reservation
+outlives the execution it names and no dependent points at a deleted row (each of those tables
+references ``executions.execution_id`` by foreign key).
 """
 
 from __future__ import annotations
@@ -18,7 +20,13 @@ from sqlalchemy import delete, select, update
 from sqlalchemy.engine import Row
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from ledger.schema import callback_runs, executions, idempotency_reservations
+from ledger.schema import (
+    callback_runs,
+    executions,
+    idempotency_reservations,
+    staged_actions,
+    staged_changes,
+)
 from ledger.store import Work
 
 #: Outcomes that end an execution for good: only these are ever pruned. ``staged`` waits for an
@@ -162,8 +170,9 @@ async def finish(work: Work, execution_id: str, *, status: str, **changes: Any) 
 
 async def prune(work: Work, *, cutoff_ms: int) -> int:
     """Delete finished (``succeeded`` / ``failed``) executions created before ``cutoff_ms``, with
-    their callback runs and the idempotency reservations naming them; the number of executions
-    deleted. ``staged``, ``running`` and ``manual_review`` rows are kept whatever their age.
+    their callback runs, staged actions, staged changes and the idempotency reservations naming
+    them; the number of executions deleted. ``staged``, ``running`` and ``manual_review`` rows
+    are kept whatever their age.
 
     The victims are selected first (locked on PostgreSQL, so a callback enqueued concurrently for
     one of them waits for this transaction instead of failing its foreign key), then deleted by id
@@ -177,9 +186,8 @@ async def prune(work: Work, *, cutoff_ms: int) -> int:
     victims = [str(v) for v in (await work.conn.execute(stmt)).scalars()]
     for start in range(0, len(victims), _PRUNE_CHUNK):
         chunk = victims[start : start + _PRUNE_CHUNK]
-        await work.conn.execute(
-            delete(callback_runs).where(callback_runs.c.execution_id.in_(chunk))
-        )
+        for dependent in (callback_runs, staged_actions, staged_changes):
+            await work.conn.execute(delete(dependent).where(dependent.c.execution_id.in_(chunk)))
         await work.conn.execute(
             delete(idempotency_reservations).where(
                 idempotency_reservations.c.execution_id.in_(chunk)
@@ -187,3 +195,21 @@ async def prune(work: Work, *, cutoff_ms: int) -> int:
         )
         await work.conn.execute(delete(executions).where(executions.c.execution_id.in_(chunk)))
     return len(victims)
+
+
+async def agent_window(conn: AsyncConnection, room_id: str, *, limit: int) -> list[ExecutionRow]:
+    """The room's latest agent-confirmed executions, newest first (the delivery window's scan).
+
+    Only executions keyed ``agent-confirmed:…`` carry a delivery marker; manual REST executions
+    never do, so they are not in the window."""
+    stmt = (
+        select(executions)
+        .where(
+            executions.c.room_id == room_id,
+            executions.c.origin == "agent",
+            executions.c.idempotency_key.like("agent-confirmed:%"),
+        )
+        .order_by(executions.c.created_at.desc(), executions.c.execution_id.desc())
+        .limit(limit)
+    )
+    return [_row(r) for r in await conn.execute(stmt)]

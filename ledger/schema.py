@@ -361,3 +361,59 @@ callback_runs = Table(
     UniqueConstraint("execution_id", "event", "target"),
 )
 Index("ix_callback_runs_state_next", callback_runs.c.state, callback_runs.c.next_attempt_at)
+
+# -- the agent toolbox (staged actions, approvals) ----------------------------------------------
+
+STAGED_ACTION_STATES = ("pending", "executed", "released", "expired")
+STAGED_CHANGE_STATES = ("pending", "approved", "rejected")
+
+#: Private confirmation state of an agent's staged action. The token itself is never stored:
+#: only its SHA-256, so a copy of the database cannot confirm anybody's plan.
+staged_actions = Table(
+    "staged_actions",
+    metadata,
+    Column("token_sha256", String(64), primary_key=True),
+    Column(
+        "execution_id",
+        String(64),
+        ForeignKey("executions.execution_id"),
+        nullable=False,
+        unique=True,
+    ),
+    Column("command_id", String(64), nullable=False),
+    Column("digest", String(64), nullable=False),  # pinned: forwarded as expected digest
+    Column("room_id", String(64), nullable=True),
+    Column("language", String(16), nullable=False),
+    Column("invoker_kind", String(8), nullable=False),
+    Column("invoker_id", String(64), nullable=False),
+    Column("state", String(16), nullable=False),
+    Column("created_at", BigInteger, nullable=False),
+    Column("expires_at", BigInteger, nullable=False),
+    Column("updated_at", BigInteger, nullable=False),
+    CheckConstraint(f"state IN ({_in(STAGED_ACTION_STATES)})", name="state"),
+)
+
+#: A frozen plan waiting for an approver (409 approval_required).
+staged_changes = Table(
+    "staged_changes",
+    metadata,
+    Column("staged_change_id", String(64), primary_key=True),
+    Column(
+        "execution_id",
+        String(64),
+        ForeignKey("executions.execution_id"),
+        nullable=False,
+        unique=True,
+    ),
+    Column("command_id", String(64), nullable=False),
+    Column("digest", String(64), nullable=False),
+    Column("requested_by", String(64), nullable=False),
+    Column("state", String(16), nullable=False),
+    Column("decided_by", String(64), nullable=True),
+    Column("reason", Text, nullable=True),
+    Column("decided_at", BigInteger, nullable=True),
+    Column("created_at", BigInteger, nullable=False),
+    Column("updated_at", BigInteger, nullable=False),
+    CheckConstraint(f"state IN ({_in(STAGED_CHANGE_STATES)})", name="state"),
+)
+Index("ix_executions_room_created", executions.c.room_id, executions.c.created_at)

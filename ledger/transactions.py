@@ -102,9 +102,25 @@ async def insert(
     execution_id: str | None = None,
     context: Mapping[str, Any] | None = None,
     start: bool = True,
+    staged: bool = False,
 ) -> TxClaim:
     """Persist a prepared transaction, leased to ``owner``; with ``start`` also move it to
-    ``executing`` (one row, two ledger entries: prepare and start share the commit)."""
+    ``executing`` (one row, two ledger entries: prepare and start share the commit).
+
+    With ``staged`` the plan is persisted unleased in ``staged``: nothing runs until a person
+    confirms it (:func:`claim_staged`); recovery never picks it up."""
+    if staged:
+        return await _insert_staged(
+            work,
+            chain,
+            tx_id=tx_id,
+            definition_digest=definition_digest,
+            saga_name=saga_name,
+            inputs=inputs,
+            business_key=business_key,
+            execution_id=execution_id,
+            context=context,
+        )
     status = TxState.EXECUTING if start else TxState.PREPARED
     if start:
         check_tx_transition(TxState.PREPARED, TxState.EXECUTING)
@@ -137,6 +153,104 @@ async def insert(
     if start:
         work.log(chain, action="start", from_state=TxState.PREPARED.value, to_state=status.value)
     return TxClaim(tx_id=tx_id, fence=1, status=status, owner=owner)
+
+
+async def _insert_staged(
+    work: Work,
+    chain: Chain,
+    *,
+    tx_id: str,
+    definition_digest: str,
+    saga_name: str,
+    inputs: Mapping[str, Any],
+    business_key: str | None,
+    execution_id: str | None,
+    context: Mapping[str, Any] | None,
+) -> TxClaim:
+    await work.conn.execute(
+        transactions.insert().values(
+            tx_id=tx_id,
+            definition_digest=definition_digest,
+            saga_name=saga_name,
+            business_key=business_key,
+            inputs=dict(inputs),
+            status=TxState.STAGED.value,
+            lease_owner=None,
+            lease_until=None,
+            fence=0,
+            attempts=0,
+            next_attempt_at=None,
+            error=None,
+            execution_id=execution_id,
+            context=dict(context) if context is not None else None,
+            created_at=work.now_ms,
+            updated_at=work.now_ms,
+        )
+    )
+    work.log(
+        chain,
+        action="stage",
+        to_state=TxState.STAGED.value,
+        detail={"saga": saga_name, "definition": definition_digest},
+    )
+    return TxClaim(tx_id=tx_id, fence=0, status=TxState.STAGED, owner="")
+
+
+async def claim_staged(
+    work: Work, chain: Chain, tx_id: str, *, owner: str, lease_ms: int, action: str = "confirm"
+) -> TxClaim | None:
+    """Compare-and-set ``staged → executing`` with a fresh lease: the person's confirmation.
+
+    ``None`` when the transaction is not (or no longer) staged: confirmed twice, or released."""
+    check_tx_transition(TxState.STAGED, TxState.EXECUTING)
+    now = work.db_now
+    stmt = (
+        update(transactions)
+        .where(transactions.c.tx_id == tx_id, transactions.c.status == TxState.STAGED.value)
+        .values(
+            status=TxState.EXECUTING.value,
+            fence=transactions.c.fence + 1,
+            lease_owner=owner,
+            lease_until=now + literal(lease_ms),
+            attempts=transactions.c.attempts + 1,
+            updated_at=work.now_ms,
+        )
+        .returning(transactions.c.fence)
+    )
+    row = (await work.conn.execute(stmt)).first()
+    if row is None:
+        return None
+    fence = int(row.fence)
+    work.log(
+        chain,
+        action=action,
+        from_state=TxState.STAGED.value,
+        to_state=TxState.EXECUTING.value,
+        detail={"fence": fence, "owner": owner},
+    )
+    return TxClaim(tx_id=tx_id, fence=fence, status=TxState.EXECUTING, owner=owner)
+
+
+async def release_staged(
+    work: Work, chain: Chain, tx_id: str, *, error: Mapping[str, Any]
+) -> bool:
+    """``staged → failed``: the plan was rejected or released; nothing was ever sent."""
+    check_tx_transition(TxState.STAGED, TxState.FAILED)
+    stmt = (
+        update(transactions)
+        .where(transactions.c.tx_id == tx_id, transactions.c.status == TxState.STAGED.value)
+        .values(status=TxState.FAILED.value, error=dict(error), updated_at=work.now_ms)
+    )
+    if (await work.conn.execute(stmt)).rowcount != 1:
+        return False
+    work.log(
+        chain,
+        action="release",
+        from_state=TxState.STAGED.value,
+        to_state=TxState.FAILED.value,
+        detail={"error": dict(error)},
+    )
+    return True
 
 
 async def claim(

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any, Final
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import text
 
-from ledger import action_settings, commands, executions, reservations
+from ledger import action_settings, commands, executions, reservations, staged
 from ledger import callbacks as callback_runs
 from ledger.canonical import NotCanonicalizable, canonical_json, fingerprint
 from ledger.commands import CommandRow
@@ -56,6 +56,7 @@ from orchestrator.definitions import StoredCommand
 from orchestrator.errors import (
     ActionLocked,
     AgentTxnError,
+    ApprovalRequired,
     AssertionFailed,
     BusinessKeyConflict,
     CapExceeded,
@@ -77,8 +78,11 @@ from orchestrator.errors import (
     RequestInvalid,
     RuleFailed,
     SourceAuthorityChanged,
+    StagedChangeDecided,
+    StagedChangeNotFound,
 )
 from orchestrator.saga import SagaDefinition
+from orchestrator.views import SagaResult
 from providers.contract import Confirmed
 
 if TYPE_CHECKING:
@@ -365,8 +369,10 @@ class CommandService:
                 replay, takeover = await self._idempotency(conn, row, caller, idempotency_key)
                 if replay is not None:
                     _same_inputs(replay, inputs)
-                    return Outcome(200, dict(replay.response or {}), replay.execution_id, True)
+                    return _replay(replay)
         prepared = await self._prepare(row, stored, principal, caller, inputs, origin)
+        if await self._approvals_needed(stored):
+            await self._stage_for_approval(prepared, caller, idempotency_key, takeover, origin)
         return await self._apply(
             prepared, caller, idempotency_key, takeover, origin, budget_seconds
         )
@@ -563,65 +569,36 @@ class CommandService:
             await audit.enqueue_callbacks(work, failed, "failed")
         exc.execution_id = execution_id  # type: ignore[attr-defined]
 
-    async def _apply(
+    def _records_writer(
         self,
         prepared: _Prepared,
         caller: Caller,
+        *,
         key: str | None,
         takeover: str | None,
         origin: str,
-        budget_seconds: float | None,
-    ) -> Outcome:
-        if self.between_validation_and_apply is not None:
-            await self.between_validation_and_apply()
+        execution_id: str,
+        tx_id: str,
+        status: str,
+        staged_change_id: str | None = None,
+        lifecycle: Mapping[str, Any] | None = None,
+        extra: Callable[[Work], Awaitable[None]] | None = None,
+    ) -> Callable[[Work], Awaitable[None]]:
+        """The rows that commit with the plan (step 8): authority re-check under the command
+        row's lock, the reservation, the execution record, and ``extra`` rows of the caller."""
         row = prepared.row
-        execution_id = uuid.uuid4().hex
-        tx_id = uuid.uuid4().hex
-        saga = SagaDefinition.parse(prepared.stored.saga_part())
 
         async def write_records(work: Work) -> None:
-            if work.store.dialect == "postgresql":
-                # Bounded wait on the command row; past it the attempt is retried.
-                ms = int(self.limits.lock_timeout_ms)
-                await work.conn.execute(text(f"SET LOCAL lock_timeout = '{ms}ms'"))
-            current = await commands.lock_for_apply(work, row.command_id)
-            if (
-                current is None
-                or current.deleted_at is not None
-                or current.digest != row.digest
-                or (current.scope_kind, current.scope_id) != (row.scope_kind, row.scope_id)
-                or current.tag_id != row.tag_id
-            ):
-                raise SourceAuthorityChanged()
+            await self._lock_command(work, row)
             if key is not None:
-                if takeover is not None:
-                    ok = await reservations.replace(
-                        work,
-                        command_id=row.command_id,
-                        bucket=caller.bucket,
-                        key=key,
-                        old_execution_id=takeover,
-                        execution_id=execution_id,
-                        ttl_ms=IDEMPOTENCY_TTL_MS,
-                    )
-                else:
-                    ok = await reservations.reserve(
-                        work,
-                        command_id=row.command_id,
-                        bucket=caller.bucket,
-                        key=key,
-                        execution_id=execution_id,
-                        ttl_ms=IDEMPOTENCY_TTL_MS,
-                    )
-                if not ok:
-                    raise IdempotencyInProgress(details={"execution_id": execution_id})
+                await self._reserve(work, row, caller, key, takeover, execution_id)
             await executions.insert(
                 work,
                 execution_id=execution_id,
                 command_id=row.command_id,
                 command_digest=row.digest,
                 tx_id=tx_id,
-                status="running",
+                status=status,
                 invoker_kind=caller.kind,
                 invoker_id=caller.principal_id,
                 actor_bucket=caller.bucket,
@@ -634,30 +611,115 @@ class CommandService:
                 error_code=None,
                 error=None,
                 response=None,
-                lifecycle_snapshot=None,
-                staged_change_id=None,
+                lifecycle_snapshot=dict(lifecycle) if lifecycle is not None else None,
+                staged_change_id=staged_change_id,
                 room_id=caller.room_id,
                 duration_ms=None,
             )
+            if extra is not None:
+                await extra(work)
 
-        context = {"queries": prepared.queries} if prepared.queries else None
+        return write_records
+
+    async def _lock_command(self, work: Work, row: CommandRow) -> None:
+        """Re-read the command under its row lock: what was validated is what is applied."""
+        if work.store.dialect == "postgresql":
+            # Bounded wait on the command row; past it the attempt is retried.
+            ms = int(self.limits.lock_timeout_ms)
+            await work.conn.execute(text(f"SET LOCAL lock_timeout = '{ms}ms'"))
+        current = await commands.lock_for_apply(work, row.command_id)
+        if (
+            current is None
+            or current.deleted_at is not None
+            or current.digest != row.digest
+            or (current.scope_kind, current.scope_id) != (row.scope_kind, row.scope_id)
+            or current.tag_id != row.tag_id
+        ):
+            raise SourceAuthorityChanged()
+
+    async def _reserve(
+        self,
+        work: Work,
+        row: CommandRow,
+        caller: Caller,
+        key: str,
+        takeover: str | None,
+        execution_id: str,
+    ) -> None:
+        if takeover is not None:
+            ok = await reservations.replace(
+                work,
+                command_id=row.command_id,
+                bucket=caller.bucket,
+                key=key,
+                old_execution_id=takeover,
+                execution_id=execution_id,
+                ttl_ms=IDEMPOTENCY_TTL_MS,
+            )
+        else:
+            ok = await reservations.reserve(
+                work,
+                command_id=row.command_id,
+                bucket=caller.bucket,
+                key=key,
+                execution_id=execution_id,
+                ttl_ms=IDEMPOTENCY_TTL_MS,
+            )
+        if not ok:
+            raise IdempotencyInProgress(details={"execution_id": execution_id})
+
+    async def _with_lock_retries(self, attempt_once: Callable[[], Awaitable[Any]]) -> Any:
+        """Lock contention is retried a bounded number of times, then ``command_lock_conflict``;
+        each attempt rolled back whole, so a retry starts clean."""
         attempts = self.limits.lock_retries + 1
         for attempt in range(attempts):
             try:
-                result = await self.orch.execute(
-                    saga,
-                    prepared.inputs,
-                    tx_id=tx_id,
-                    budget_seconds=budget_seconds,
-                    execution_id=execution_id,
-                    context=context,
-                    prepare_hook=write_records,
-                )
-                break
+                return await attempt_once()
             except LockConflict:
                 if attempt == attempts - 1:
                     raise
                 await asyncio.sleep(random.uniform(0.01, 0.05) * (2**attempt))
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _apply(
+        self,
+        prepared: _Prepared,
+        caller: Caller,
+        key: str | None,
+        takeover: str | None,
+        origin: str,
+        budget_seconds: float | None,
+    ) -> Outcome:
+        if self.between_validation_and_apply is not None:
+            await self.between_validation_and_apply()
+        execution_id = uuid.uuid4().hex
+        tx_id = uuid.uuid4().hex
+        saga = SagaDefinition.parse(prepared.stored.saga_part())
+        writer = self._records_writer(
+            prepared,
+            caller,
+            key=key,
+            takeover=takeover,
+            origin=origin,
+            execution_id=execution_id,
+            tx_id=tx_id,
+            status="running",
+        )
+        result = await self._with_lock_retries(
+            lambda: self.orch.execute(
+                saga,
+                prepared.inputs,
+                tx_id=tx_id,
+                budget_seconds=budget_seconds,
+                execution_id=execution_id,
+                context=_context(prepared),
+                prepare_hook=writer,
+            )
+        )
+        return await self._respond(execution_id, result)
+
+    async def _respond(self, execution_id: str, result: SagaResult) -> Outcome:
+        """Map a driven execution to what the caller receives."""
         async with self.orch.store.read() as conn:
             record = await executions.get(conn, execution_id)
         if record is None:
@@ -678,6 +740,224 @@ class CommandService:
                 execution_id=execution_id,
             )
         return Outcome(202, body, execution_id)
+
+    # -- staging and approvals -----------------------------------------------------------------
+
+    async def stage(
+        self,
+        prepared: _Prepared,
+        caller: Caller,
+        *,
+        key: str | None,
+        takeover: str | None,
+        origin: str,
+        staged_change_id: str | None = None,
+        extra: Callable[[str, Work], Awaitable[None]] | None = None,
+        response: Mapping[str, Any] | None = None,
+    ) -> str:
+        """Persist the validated plan without running it: execution ``staged``, transaction
+        ``staged``, plus the caller's ``extra`` rows, in one commit. Returns the execution id."""
+        if self.between_validation_and_apply is not None:
+            await self.between_validation_and_apply()
+        execution_id = uuid.uuid4().hex
+        tx_id = uuid.uuid4().hex
+        saga = SagaDefinition.parse(prepared.stored.saga_part())
+
+        async def extras(work: Work) -> None:
+            if response is not None:
+                await executions.finish(
+                    work, execution_id, status="staged", response=audit.snapshot(response)
+                )
+            if extra is not None:
+                await extra(execution_id, work)
+
+        writer = self._records_writer(
+            prepared,
+            caller,
+            key=key,
+            takeover=takeover,
+            origin=origin,
+            execution_id=execution_id,
+            tx_id=tx_id,
+            status="staged",
+            staged_change_id=staged_change_id,
+            extra=extras,
+        )
+        await self._with_lock_retries(
+            lambda: self.orch.stage(
+                saga,
+                prepared.inputs,
+                tx_id=tx_id,
+                execution_id=execution_id,
+                context=_context(prepared),
+                prepare_hook=writer,
+            )
+        )
+        return execution_id
+
+    async def _approvals_needed(self, stored: StoredCommand) -> builtins.list[tuple[str, str]]:
+        async with self.orch.store.read() as conn:
+            rows = {(r.provider, r.action): r for r in await action_settings.all_(conn)}
+        needed = []
+        for step in stored.effect_steps:
+            setting = rows.get((step["provider"], step["action"]))
+            if setting is not None and setting.requires_approval:
+                needed.append((str(step["provider"]), str(step["action"])))
+        return needed
+
+    async def _stage_for_approval(
+        self,
+        prepared: _Prepared,
+        caller: Caller,
+        key: str | None,
+        takeover: str | None,
+        origin: str,
+    ) -> None:
+        staged_change_id = uuid.uuid4().hex
+        refusal = ApprovalRequired(details={"staged_change_id": staged_change_id})
+
+        async def change(execution_id: str, work: Work) -> None:
+            await staged.insert_change(
+                work,
+                staged_change_id=staged_change_id,
+                execution_id=execution_id,
+                command_id=prepared.row.command_id,
+                digest=prepared.row.digest,
+                requested_by=caller.principal_id,
+            )
+
+        execution_id = await self.stage(
+            prepared,
+            caller,
+            key=key,
+            takeover=takeover,
+            origin=origin,
+            staged_change_id=staged_change_id,
+            extra=change,
+            response=refusal.envelope(),
+        )
+        refusal.execution_id = execution_id  # type: ignore[attr-defined]
+        async with self.orch.store.transaction() as work:
+            record = await executions.get(work.conn, execution_id)
+            assert record is not None
+            await audit.enqueue_callbacks(work, record, "staged")
+        raise refusal
+
+    async def approve(
+        self,
+        approver: Caller,
+        staged_change_id: str,
+        *,
+        reason: str | None = None,
+        budget_seconds: float | None = None,
+    ) -> Outcome:
+        """An approver runs the frozen plan exactly as staged (its digest checked again)."""
+        change, record, row = await self._decidable(approver, staged_change_id)
+
+        async def decide(work: Work) -> None:
+            await self._lock_command(work, row)
+            if row.digest != change.digest:
+                raise SourceAuthorityChanged()
+            if not await staged.decide_change(
+                work,
+                staged_change_id,
+                to_state="approved",
+                decided_by=approver.principal_id,
+                reason=_bounded(reason),
+            ):
+                raise StagedChangeDecided()
+            await executions.finish(work, record.execution_id, status="running", response=None)
+
+        assert record.tx_id is not None
+        tx_id = record.tx_id
+        result = await self._with_lock_retries(
+            lambda: self.orch.execute_staged(
+                tx_id, budget_seconds=budget_seconds, prepare_hook=decide
+            )
+        )
+        return await self._respond(record.execution_id, result)
+
+    async def reject(
+        self, approver: Caller, staged_change_id: str, *, reason: str | None = None
+    ) -> dict[str, Any]:
+        """An approver releases the plan: nothing runs, the key is freed, the record says so."""
+        change, record, _row = await self._decidable(approver, staged_change_id)
+
+        async def decide(work: Work) -> None:
+            if not await staged.decide_change(
+                work,
+                staged_change_id,
+                to_state="rejected",
+                decided_by=approver.principal_id,
+                reason=_bounded(reason),
+            ):
+                raise StagedChangeDecided()
+            code, text_ = audit.error_of({"code": "approval_rejected"})
+            await executions.finish(
+                work,
+                record.execution_id,
+                status="failed",
+                error_code=code,
+                error=text_,
+                response=None,
+                duration_ms=max(0, work.now_ms - record.created_at),
+            )
+            if record.idempotency_key is not None:
+                await reservations.release(
+                    work,
+                    command_id=record.command_id,
+                    bucket=record.actor_bucket,
+                    key=record.idempotency_key,
+                    execution_id=record.execution_id,
+                )
+            failed = await executions.get(work.conn, record.execution_id)
+            assert failed is not None
+            await audit.enqueue_callbacks(work, failed, "failed")
+
+        assert record.tx_id is not None
+        await self.orch.release_staged(record.tx_id, code="approval_rejected", hook=decide)
+        async with self.orch.store.read() as conn:
+            final = await executions.get(conn, record.execution_id)
+        assert final is not None
+        del change
+        return audit.view(final)
+
+    async def _decidable(
+        self, approver: Caller, staged_change_id: str
+    ) -> tuple[staged.StagedChangeRow, ExecutionRow, CommandRow]:
+        """The pending change, its execution and command, and proof the approver may decide."""
+        authz.require_jwt(approver)
+        async with self.orch.store.read() as conn:
+            change = await staged.get_change(conn, staged_change_id)
+            if change is None:
+                raise StagedChangeNotFound()
+            row = await commands.get(conn, change.command_id)
+            record = await executions.get(conn, change.execution_id)
+            if row is None or record is None or row.tenant != self.tenant:
+                raise StagedChangeNotFound()
+            principal = await authz.load_principal(
+                conn, approver, tenant=self.tenant, scope_kind=row.scope_kind, scope_id=row.scope_id
+            )
+            settings_rows = {(r.provider, r.action): r for r in await action_settings.all_(conn)}
+        if change.state != "pending":
+            raise StagedChangeDecided()
+        stored = StoredCommand.from_stored(row.definition)
+        for step in stored.effect_steps:
+            setting = settings_rows.get((step["provider"], step["action"]))
+            if setting is None or not setting.requires_approval:
+                continue
+            authz.authorize_step(
+                principal,
+                provider=step["provider"],
+                action=step["action"],
+                payload=None,
+                permission="approve",
+            )
+            policy = setting.approval_policy or {}
+            separate = policy.get("separate_approver", True) if isinstance(policy, dict) else True
+            if separate and approver.principal_id == change.requested_by:
+                raise PrincipalNotAuthorized()  # never the invoker alone when the policy says so
+        return change, record, row
 
     # -- query ---------------------------------------------------------------------------------
 
@@ -768,6 +1048,23 @@ class CommandService:
 # -- helpers -------------------------------------------------------------------------------------
 
 
+def _context(prepared: _Prepared) -> dict[str, Any] | None:
+    return {"queries": prepared.queries} if prepared.queries else None
+
+
+def _bounded(reason: str | None) -> str | None:
+    return None if reason is None else " ".join(reason.split())[:500]
+
+
+def _replay(previous: ExecutionRow) -> Outcome:
+    """The stored answer of an earlier execution with the same key (never a second write)."""
+    if previous.status == "staged":
+        refusal = ApprovalRequired(details={"staged_change_id": previous.staged_change_id})
+        refusal.execution_id = previous.execution_id  # type: ignore[attr-defined]
+        raise refusal
+    return Outcome(200, dict(previous.response or {}), previous.execution_id, True)
+
+
 def _check_page(skip: int, limit: int) -> None:
     problems = []
     if not isinstance(skip, int) or skip < 0:
@@ -812,9 +1109,7 @@ def _check_preconditions(stored: StoredCommand, scope: Mapping[str, Any]) -> Non
         if not isinstance(value, int | float) or isinstance(value, bool) or value > cap["max"]:
             actual = value if isinstance(value, int | float) else None
             raise CapExceeded(
-                details=audit.compact(
-                    {"cap": cap["name"], "limit": cap["max"], "actual": actual}
-                )
+                details=audit.compact({"cap": cap["name"], "limit": cap["max"], "actual": actual})
             )
     for check in stored.asserts_pre:
         try:

@@ -63,6 +63,7 @@ from providers.contract import Provider, UnknownAction
 from providers.registry import ProviderRegistry, UnknownProvider
 
 if TYPE_CHECKING:
+    from orchestrator.agent import AgentToolbox
     from orchestrator.commands import CommandService
 
 log = structlog.get_logger(__name__)
@@ -123,6 +124,7 @@ class Orchestrator:
         self._by_digest: dict[str, SagaDefinition] = {}
         self._stored: set[str] = set()
         self._commands: CommandService | None = None
+        self._agent: AgentToolbox | None = None
 
     @classmethod
     async def open(
@@ -181,6 +183,15 @@ class Orchestrator:
 
             self._commands = CommandService(self)
         return self._commands
+
+    @property
+    def agent(self) -> AgentToolbox:
+        """Staged actions for agent runtimes (prepare → the person confirms → execute once)."""
+        if self._agent is None:
+            from orchestrator.agent import AgentToolbox
+
+            self._agent = AgentToolbox(self.commands)
+        return self._agent
 
     # -- registration ---------------------------------------------------------------------------
 
@@ -384,6 +395,102 @@ class Orchestrator:
             log.info("lease lost during execute; another worker owns it", tx_id=tx_id)
             return await self.result(tx_id)
         return result_of(run)
+
+    # -- staged plans (a person confirms before anything runs) --------------------------------
+
+    async def stage(
+        self,
+        saga: Saga | str | SagaDefinition,
+        inputs: Mapping[str, Any],
+        *,
+        tx_id: str | None = None,
+        execution_id: str | None = None,
+        context: Mapping[str, Any] | None = None,
+        prepare_hook: PrepareHook | None = None,
+    ) -> str:
+        """Persist the full plan in ``staged`` (keys, payloads, no lease) and return its tx id.
+
+        Nothing is sent and recovery never picks it up; :meth:`execute_staged` runs exactly this
+        plan once, :meth:`release_staged` retires it."""
+        definition = await self._resolve(saga)
+        clean = definition.validate_inputs(inputs)
+        business_key = self._business_key(definition, clean)
+        tx_id = tx_id or uuid.uuid4().hex
+        planned = self._plan(definition, tx_id, clean, context)
+        chain = Chain(tx_id)
+        try:
+            async with self.store.transaction() as work:
+                if prepare_hook is not None:
+                    await prepare_hook(work)
+                await transactions.insert(
+                    work,
+                    chain,
+                    tx_id=tx_id,
+                    definition_digest=definition.digest,
+                    saga_name=definition.name,
+                    inputs=clean,
+                    owner="",
+                    lease_ms=0,
+                    business_key=business_key,
+                    execution_id=execution_id,
+                    context=context,
+                    staged=True,
+                )
+                await effects.insert(work, chain, EffectKind.OPERATION, planned)
+        except DuplicateKey:
+            return (await self._existing(tx_id, clean, business_key)).tx_id
+        except StoreBusy as exc:
+            raise LockConflict() from exc
+        except StorageError as exc:
+            raise StoreUnavailableError() from exc
+        return tx_id
+
+    async def execute_staged(
+        self,
+        tx_id: str,
+        *,
+        budget_seconds: float | None = None,
+        prepare_hook: PrepareHook | None = None,
+    ) -> SagaResult:
+        """Run a staged plan: ``staged → executing`` and the first claim in one commit, then
+        drive it like :meth:`execute`. A plan no longer staged answers its current outcome."""
+        s = self.settings
+        try:
+            async with self.store.transaction() as work:
+                if prepare_hook is not None:
+                    await prepare_hook(work)
+                chain = await events.chain_of(work.conn, tx_id)
+                txc = await transactions.claim_staged(
+                    work, chain, tx_id, owner=s.worker_id, lease_ms=s.lease_ms
+                )
+                if txc is None:
+                    run = None
+                else:
+                    run = await self._load_run(work.conn, chain, txc)
+                    run.hold_on_pause = True
+                    first = await run._advance(work, eager=True)
+        except StoreBusy as exc:
+            raise LockConflict() from exc
+        except StorageError as exc:
+            raise StoreUnavailableError() from exc
+        if run is None:
+            return await self.result(tx_id)
+        run._after_commit_milestones()
+        try:
+            await self._drive_in_call(run, first, budget_seconds)
+        except LeaseLost:
+            return await self.result(tx_id)
+        return result_of(run)
+
+    async def release_staged(
+        self, tx_id: str, *, code: str = "staged_released", hook: PrepareHook | None = None
+    ) -> bool:
+        """Retire a staged plan (``staged → failed``); ``False`` if it is no longer staged."""
+        async with self.store.transaction() as work:
+            if hook is not None:
+                await hook(work)
+            chain = await events.chain_of(work.conn, tx_id)
+            return await transactions.release_staged(work, chain, tx_id, error={"code": code})
 
     async def _drive_in_call(self, run: SagaRun, first: Any, budget_seconds: float | None) -> None:
         budget = self.settings.execute_budget_seconds if budget_seconds is None else budget_seconds

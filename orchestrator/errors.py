@@ -241,6 +241,28 @@ _reg(
     retryable=True,
     details=("step",),
 )
+_reg("staged_change_not_found", 404, "Staged change not found.", phases=("stage", "release"))
+_reg(
+    "staged_change_decided",
+    409,
+    "The staged change was already decided.",
+    phases=("stage", "release"),
+)
+_reg("approval_rejected", 409, "An approver rejected the staged change.", phases=("release",))
+_reg("staged_released", 409, "The staged plan was released without running.", phases=("release",))
+_reg(
+    "confirmation_invalid",
+    404,
+    "The confirmation is unknown, expired or not yours.",
+    phases=("stage", "execute"),
+)
+_reg(
+    "room_write_protected",
+    409,
+    "Writes in this room are paused until pending deliveries are settled.",
+    retryable=True,
+    phases=("stage", "execute"),
+)
 _reg(
     "approval_required",
     409,
@@ -568,9 +590,33 @@ class OutcomeError(AgentTxnError):
 
 
 class ApprovalRequired(AgentTxnError):
-    """The command needs an approver's decision before it runs (issue 6)."""
+    """The command needs an approver's decision; its plan is staged (``staged_change_id``)."""
 
     code = "approval_required"
+
+
+class StagedChangeNotFound(AgentTxnError):
+    """No staged change with that id in this tenant."""
+
+    code = "staged_change_not_found"
+
+
+class StagedChangeDecided(AgentTxnError):
+    """The staged change was approved or rejected already (each decides once)."""
+
+    code = "staged_change_decided"
+
+
+class ConfirmationInvalid(AgentTxnError):
+    """An agent's confirmation token is unknown, expired, used up or another person's."""
+
+    code = "confirmation_invalid"
+
+
+class RoomWriteProtected(AgentTxnError):
+    """The room's delivery window is full: mutating commands fail closed until it frees."""
+
+    code = "room_write_protected"
 
 
 def envelope(

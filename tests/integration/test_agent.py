@@ -1,0 +1,252 @@
+"""The person-confirmation protocol through the Python API, on both backends.
+
+Every "no second charge" claim is checked in the fake shop's own database.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+
+from ledger import executions, principals
+from orchestrator import errors
+from orchestrator.agent import MAX_LIVE_MARKERS, MARKER, OPS_RESOURCE, agent_key
+from orchestrator.authz import Caller
+from tests.support.commands import add_user, order_command
+from tests.support.world import World
+
+ORDER_ID = "11111111-1111-4111-8111-111111111111"  # business data that looks like a UUID
+ORDER = {"order_id": ORDER_ID, "sku": "sku-1", "amount": 1200}
+TOOL_KEYS = {"status", "action", "error", "retryable", "guidance"}
+
+
+async def _setup(
+    world: World, *, language: str = "en", **changes: Any
+) -> tuple[Caller, dict[str, Any]]:
+    alice = await add_user(world.orch, "alice")
+    async with world.orch.store.transaction() as work:
+        await principals.join_room(work, "room-1", "alice", language=language)
+    info = await world.orch.commands.create(alice, order_command(**changes))
+    return Caller(principal_id="alice", kind="user", auth="jwt", room_id="room-1", ai=True), info
+
+
+async def _charges(world: World) -> int:
+    return (await world.shop.counts())["payments.charge"]
+
+
+async def test_prepare_stages_and_the_proposal_shows_business_data_only(world: World) -> None:
+    alice, info = await _setup(world, description="Ship order")
+    staged = await world.orch.agent.prepare(alice, info["command_id"], ORDER)
+    token, text = staged["confirmation_token"], staged["proposal"]
+    assert re.fullmatch(r"[0-9a-f]{32}", token)
+    assert "Ship order" in text and "1200" in text and "sku-1" in text
+    assert ORDER_ID in text  # looks like a UUID, but it is the caller's business data
+    record = (await world.orch.commands.executions(alice, info["command_id"]))[0]
+    for secret in (token, info["digest"], record["execution_id"], info["command_id"]):
+        assert secret not in text
+    assert len(text) <= 1200
+    assert record["status"] == "staged"
+    assert (await world.shop.counts())["inventory.reserve"] == 0
+
+
+async def test_confirm_runs_once_and_a_repeated_yes_replays(world: World) -> None:
+    alice, info = await _setup(world)
+    agent = world.orch.agent
+    token = (await agent.prepare(alice, info["command_id"], ORDER))["confirmation_token"]
+    first = await agent.execute_staged_action(alice, token)
+    assert set(first) == TOOL_KEYS
+    assert first["status"] == "succeeded" and first["error"] is None
+    assert first["action"] == "order"
+    again = await agent.execute_staged_action(alice, token)  # the same token twice
+    assert again == first
+    # The person repeats "yes, do it" because the receipt did not arrive: a new prepare, a new
+    # token, the same request in the same room — replayed, not written again.
+    token2 = (await agent.prepare(alice, info["command_id"], ORDER))["confirmation_token"]
+    replay = await agent.execute_staged_action(alice, token2)
+    assert replay["status"] == "succeeded"
+    assert await _charges(world) == 1
+
+
+async def test_after_delivery_the_same_request_is_a_new_write(world: World) -> None:
+    alice, info = await _setup(world)
+    agent = world.orch.agent
+    token = (await agent.prepare(alice, info["command_id"], ORDER))["confirmation_token"]
+    assert (await agent.execute_staged_action(alice, token))["status"] == "succeeded"
+    record = (await world.orch.commands.executions(alice, info["command_id"]))[0]
+    assert record["idempotency_key"] == agent_key(info["command_id"], "room-1", ORDER)
+    assert await agent.mark_delivered(alice, record["execution_id"])
+    assert not await agent.mark_delivered(alice, record["execution_id"])  # only once
+    token2 = (await agent.prepare(alice, info["command_id"], ORDER))["confirmation_token"]
+    assert (await agent.execute_staged_action(alice, token2))["status"] == "succeeded"
+    assert await _charges(world) == 2
+
+
+async def test_the_window_expires_lazily_at_the_ttl_resolved_at_execute(world: World) -> None:
+    alice, info = await _setup(world, delivery_reconciliation_ttl_seconds=60)
+    agent = world.orch.agent
+    token = (await agent.prepare(alice, info["command_id"], ORDER))["confirmation_token"]
+    await agent.execute_staged_action(alice, token)
+    world.orch.store.advance_clock(61)
+    markers = await agent.window("room-1")
+    assert [m.state for m in markers] == ["expired"]
+    token2 = (await agent.prepare(alice, info["command_id"], ORDER))["confirmation_token"]
+    assert (await agent.execute_staged_action(alice, token2))["status"] == "succeeded"
+    assert await _charges(world) == 2
+
+
+async def test_legacy_markers_expire_at_900s_and_in_flight_ones_not_before_3600s(
+    world: World,
+) -> None:
+    alice, info = await _setup(world)
+    agent = world.orch.agent
+    ids = []
+    for n in range(2):
+        token = (await agent.prepare(alice, info["command_id"], {**ORDER, "amount": 10 + n}))[
+            "confirmation_token"
+        ]
+        await agent.execute_staged_action(alice, token)
+        ids.append((await world.orch.commands.executions(alice, info["command_id"]))[0])
+    async with world.orch.store.transaction() as work:
+        # One marker written before TTLs existed; one execution still in flight.
+        await executions.finish(
+            work, ids[0]["execution_id"], status="succeeded", lifecycle_snapshot={MARKER: {}}
+        )
+        await executions.finish(
+            work,
+            ids[1]["execution_id"],
+            status="running",
+            lifecycle_snapshot={MARKER: {"state": "pending", "expires_at": 0}},
+        )
+    world.orch.store.advance_clock(901)
+    states = {m.execution.execution_id: m.state for m in await agent.window("room-1")}
+    assert states == {ids[0]["execution_id"]: "expired", ids[1]["execution_id"]: "pending"}
+    world.orch.store.advance_clock(3600)
+    states = {m.execution.execution_id: m.state for m in await agent.window("room-1")}
+    assert states[ids[1]["execution_id"]] == "expired"
+
+
+async def test_an_edited_command_is_refused_with_the_pinned_digest(world: World) -> None:
+    alice, info = await _setup(world)
+    agent = world.orch.agent
+    token = (await agent.prepare(alice, info["command_id"], ORDER))["confirmation_token"]
+    await world.orch.commands.update(alice, info["command_id"], order_command(description="v2"))
+    result = await agent.execute_staged_action(alice, token)
+    assert result["status"] == "failed" and result["error"] == "command_contract_mismatch"
+    assert set(result) == TOOL_KEYS
+    assert (await world.shop.counts())["inventory.reserve"] == 0
+
+
+async def test_assertion_reason_and_guidance_in_the_rooms_language(world: World) -> None:
+    guard = {
+        "kind": "assert",
+        "name": "big",
+        "expr": {"$gt": [{"$ref": "inputs.amount"}, 5000]},
+        "message": "  Orders under\n50 EUR   ship free; " + "x" * 300,
+    }
+    alice, info = await _setup(
+        world, language="zh-TW", steps=[guard, *order_command()["steps"]]
+    )
+    agent = world.orch.agent
+    with pytest.raises(errors.AssertionFailed):
+        await agent.prepare(alice, info["command_id"], ORDER)  # refused before staging
+    # Through the tool path the refusal is a closed tool result with the author's reason.
+    result = agent_tool_error(errors.AssertionFailed("  Orders under\n50 EUR   ship free; " + "x" * 300))
+    assert result["reason"].startswith("Orders under 50 EUR ship free;")
+    assert len(result["reason"]) == 200 and "\n" not in result["reason"]
+    assert set(result) == TOOL_KEYS | {"reason"}
+
+
+def agent_tool_error(exc: errors.AgentTxnError) -> dict[str, Any]:
+    from orchestrator.agent import tool_error
+
+    return tool_error(exc, "order", "zh-TW")
+
+
+async def test_guidance_follows_the_room_language(world: World) -> None:
+    alice, info = await _setup(world, language="zh-TW")
+    agent = world.orch.agent
+    token = (await agent.prepare(alice, info["command_id"], ORDER))["confirmation_token"]
+    result = await agent.execute_staged_action(alice, token)
+    assert result["guidance"] == "已完成。請告訴對方完成了哪些事項。"
+    bad = await agent.execute_staged_action(alice, "0" * 32)
+    assert bad["error"] == "confirmation_invalid" and bad["status"] == "failed"
+
+
+async def test_another_persons_token_is_invalid(world: World) -> None:
+    alice, info = await _setup(world)
+    token = (await world.orch.agent.prepare(alice, info["command_id"], ORDER))["confirmation_token"]
+    await add_user(world.orch, "mallory")
+    mallory = Caller(principal_id="mallory", kind="user", auth="jwt")
+    result = await world.orch.agent.execute_staged_action(mallory, token)
+    assert result["error"] == "confirmation_invalid"
+    assert await _charges(world) == 0
+
+
+async def test_query_mode_commands_have_no_staged_path(world: World) -> None:
+    alice = await add_user(
+        world.orch, "alice", actions=(("inventory", "stock"),), permissions=("manage", "read")
+    )
+    info = await world.orch.commands.create(
+        alice,
+        {
+            "name": "stock_level",
+            "mode": "query",
+            "inputs": {"sku": {"type": "string"}},
+            "steps": [
+                {
+                    "kind": "query",
+                    "name": "stock",
+                    "provider": "inventory",
+                    "action": "stock",
+                    "payload": {"sku": {"$ref": "inputs.sku"}},
+                }
+            ],
+        },
+    )
+    with pytest.raises(errors.CommandModeMismatch):
+        await world.orch.agent.prepare(alice, info["command_id"], {"sku": "sku-1"})
+
+
+async def test_more_than_16_live_markers_fail_the_room_closed(world: World) -> None:
+    alice, info = await _setup(world)
+    agent = world.orch.agent
+    for n in range(MAX_LIVE_MARKERS + 1):
+        token = (await agent.prepare(alice, info["command_id"], {**ORDER, "amount": 100 + n}))[
+            "confirmation_token"
+        ]
+        assert (await agent.execute_staged_action(alice, token))["status"] == "succeeded"
+    with pytest.raises(errors.RoomWriteProtected):
+        await agent.prepare(alice, info["command_id"], {**ORDER, "amount": 99})
+    # Delivering one frees capacity.
+    first = (await world.orch.commands.executions(alice, info["command_id"], limit=200))[-1]
+    await agent.mark_delivered(alice, first["execution_id"])
+    assert (await agent.prepare(alice, info["command_id"], {**ORDER, "amount": 99}))["proposal"]
+
+
+async def test_operators_list_preview_and_acknowledge_markers(world: World) -> None:
+    alice, info = await _setup(world)
+    agent = world.orch.agent
+    token = (await agent.prepare(alice, info["command_id"], ORDER))["confirmation_token"]
+    await agent.execute_staged_action(alice, token)
+    ops = await add_user(
+        world.orch, "ops", actions=(tuple(OPS_RESOURCE.split(".")),), permissions=("manage",)
+    )
+    with pytest.raises(errors.PrincipalNotAuthorized):
+        await agent.deliveries(alice, "room-1")
+    listed = await agent.deliveries(ops, "room-1")
+    assert [(m["state"], m["in_window"]) for m in listed] == [("pending", True)]
+    execution_id = listed[0]["execution_id"]
+    preview = await agent.acknowledge(ops, "room-1", [execution_id], execute=False, force=True)
+    assert preview[0]["result"] == "would_acknowledge"
+    assert (await agent.deliveries(ops, "room-1"))[0]["state"] == "pending"  # no write
+    refused = await agent.acknowledge(ops, "room-1", [execution_id], execute=True)
+    assert refused[0]["result"] == "needs_force"
+    done = await agent.acknowledge(ops, "room-1", [execution_id], execute=True, force=True)
+    assert done[0]["result"] == "acknowledged"
+    # Acknowledging never rolls back the committed write; it re-opens the key.
+    assert await _charges(world) == 1
+    token2 = (await agent.prepare(alice, info["command_id"], ORDER))["confirmation_token"]
+    await agent.execute_staged_action(alice, token2)
+    assert await _charges(world) == 2
