@@ -240,7 +240,13 @@ class AgentToolbox:
     ) -> dict[str, Any]:
         caller = _in_room(caller, action.room_id)
         if action.state == "executed":
-            return await self._status_of(record.execution_id, stored.name, action.language)
+            # Redelivery of the same confirmed call: the original's result while its marker is
+            # pending (or it is still settling); afterwards the token is used up.
+            marker = marker_of(record)
+            settling = record.status in ("running", "manual_review", "staged")
+            if settling or (marker is not None and marker.live(self._store.now_ms())):
+                return await self._status_of(record.execution_id, stored.name, action.language)
+            raise ConfirmationInvalid()
         if action.state != "pending" or action.expires_at <= self._store.now_ms():
             raise ConfirmationInvalid()
         # The server forwards the pinned digest: an edited command never runs an unseen plan.

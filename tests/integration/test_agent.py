@@ -145,14 +145,14 @@ async def test_assertion_reason_and_guidance_in_the_rooms_language(world: World)
         "expr": {"$gt": [{"$ref": "inputs.amount"}, 5000]},
         "message": "  Orders under\n50 EUR   ship free; " + "x" * 300,
     }
-    alice, info = await _setup(
-        world, language="zh-TW", steps=[guard, *order_command()["steps"]]
-    )
+    alice, info = await _setup(world, language="zh-TW", steps=[guard, *order_command()["steps"]])
     agent = world.orch.agent
     with pytest.raises(errors.AssertionFailed):
         await agent.prepare(alice, info["command_id"], ORDER)  # refused before staging
     # Through the tool path the refusal is a closed tool result with the author's reason.
-    result = agent_tool_error(errors.AssertionFailed("  Orders under\n50 EUR   ship free; " + "x" * 300))
+    result = agent_tool_error(
+        errors.AssertionFailed("  Orders under\n50 EUR   ship free; " + "x" * 300)
+    )
     assert result["reason"].startswith("Orders under 50 EUR ship free;")
     assert len(result["reason"]) == 200 and "\n" not in result["reason"]
     assert set(result) == TOOL_KEYS | {"reason"}
@@ -250,3 +250,50 @@ async def test_operators_list_preview_and_acknowledge_markers(world: World) -> N
     token2 = (await agent.prepare(alice, info["command_id"], ORDER))["confirmation_token"]
     await agent.execute_staged_action(alice, token2)
     assert await _charges(world) == 2
+
+
+async def test_five_redeliveries_while_pending_are_one_effect_and_five_equal_results(
+    world: World,
+) -> None:
+    alice, info = await _setup(world, delivery_reconciliation_ttl_seconds=60)
+    agent = world.orch.agent
+    token = (await agent.prepare(alice, info["command_id"], ORDER))["confirmation_token"]
+    results = [await agent.execute_staged_action(alice, token) for _ in range(5)]
+    assert all(r == results[0] for r in results) and results[0]["status"] == "succeeded"
+    assert await _charges(world) == 1
+    world.orch.store.advance_clock(61)
+    # After expiry the token is used up, and a new confirmed call may write again.
+    used = await agent.execute_staged_action(alice, token)
+    assert used["error"] == "confirmation_invalid"
+    token2 = (await agent.prepare(alice, info["command_id"], ORDER))["confirmation_token"]
+    assert (await agent.execute_staged_action(alice, token2))["status"] == "succeeded"
+    assert await _charges(world) == 2
+
+
+async def test_forged_tokens_are_refused_before_any_read_of_state(world: World) -> None:
+    alice, info = await _setup(world)
+    for forged in ("", "zz" * 16, "0" * 31, "A" * 32, "0" * 33):
+        result = await world.orch.agent.execute_staged_action(alice, forged)
+        assert result["error"] == "confirmation_invalid" and set(result) == TOOL_KEYS
+    assert await _charges(world) == 0
+
+
+async def test_a_full_65_row_window_with_a_pending_oldest_row_fails_closed(world: World) -> None:
+    alice, info = await _setup(world)
+    agent = world.orch.agent
+    token = (await agent.prepare(alice, info["command_id"], {**ORDER, "amount": 1}))[
+        "confirmation_token"
+    ]
+    await agent.execute_staged_action(alice, token)
+    oldest = (await world.orch.commands.executions(alice, info["command_id"]))[0]
+    for n in range(64):  # 64 newer ones, each delivered: only the oldest is still pending
+        token = (await agent.prepare(alice, info["command_id"], {**ORDER, "amount": 2 + n}))[
+            "confirmation_token"
+        ]
+        await agent.execute_staged_action(alice, token)
+        newest = (await world.orch.commands.executions(alice, info["command_id"], limit=1))[0]
+        await agent.mark_delivered(alice, newest["execution_id"])
+    with pytest.raises(errors.RoomWriteProtected):
+        await agent.prepare(alice, info["command_id"], {**ORDER, "amount": 999})
+    await agent.mark_delivered(alice, oldest["execution_id"])  # capacity frees
+    assert (await agent.prepare(alice, info["command_id"], {**ORDER, "amount": 999}))["proposal"]
