@@ -12,7 +12,7 @@ import pytest
 
 from ledger import executions, principals
 from orchestrator import errors
-from orchestrator.agent import MAX_LIVE_MARKERS, MARKER, OPS_RESOURCE, agent_key
+from orchestrator.agent import MARKER, MAX_LIVE_MARKERS, OPS_RESOURCE, agent_key
 from orchestrator.authz import Caller
 from tests.support.commands import add_user, order_command
 from tests.support.world import World
@@ -271,7 +271,7 @@ async def test_five_redeliveries_while_pending_are_one_effect_and_five_equal_res
 
 
 async def test_forged_tokens_are_refused_before_any_read_of_state(world: World) -> None:
-    alice, info = await _setup(world)
+    alice, _info = await _setup(world)
     for forged in ("", "zz" * 16, "0" * 31, "A" * 32, "0" * 33):
         result = await world.orch.agent.execute_staged_action(alice, forged)
         assert result["error"] == "confirmation_invalid" and set(result) == TOOL_KEYS
