@@ -394,6 +394,14 @@ class AgentToolbox:
                 return False
             return await _settle(work, record, "delivered")
 
+    async def mark_delivered_by_token(self, caller: Caller, token: str) -> bool:
+        """:meth:`mark_delivered` for runtimes that only kept the confirmation token."""
+        try:
+            _action, record, _row, _stored = await self._confirmation(caller, token)
+        except AgentTxnError:
+            return False
+        return await self.mark_delivered(caller, record.execution_id)
+
     async def _guard_room(self, room_id: str | None) -> None:
         """Lazy expiry, then fail closed when the room's window is over capacity."""
         if room_id is None:

@@ -76,7 +76,7 @@ async def test_after_delivery_the_same_request_is_a_new_write(world: World) -> N
     assert (await agent.execute_staged_action(alice, token))["status"] == "succeeded"
     record = (await world.orch.commands.executions(alice, info["command_id"]))[0]
     assert record["idempotency_key"] == agent_key(info["command_id"], "room-1", ORDER)
-    assert await agent.mark_delivered(alice, record["execution_id"])
+    assert await agent.mark_delivered_by_token(alice, token)
     assert not await agent.mark_delivered(alice, record["execution_id"])  # only once
     token2 = (await agent.prepare(alice, info["command_id"], ORDER))["confirmation_token"]
     assert (await agent.execute_staged_action(alice, token2))["status"] == "succeeded"
