@@ -45,6 +45,8 @@ from orchestrator.demo import (
 from orchestrator.engine import Orchestrator
 from orchestrator.errors import AgentTxnError
 from orchestrator.logging import LEVELS, configure_logging, level_number
+from orchestrator.mcp_server import mcp as mcp_command
+from orchestrator.ops_cli import ops_app
 from orchestrator.principals_cli import principals_app
 from orchestrator.serve import serve as serve_command
 
@@ -75,7 +77,9 @@ app.add_typer(ledger_app, name="ledger")
 review_app = typer.Typer(help="Parked transactions: evidence and decisions.", no_args_is_help=True)
 app.add_typer(review_app, name="review")
 app.add_typer(principals_app, name="principals")
+app.add_typer(ops_app, name="ops")
 app.command("serve")(serve_command)
+app.command("mcp")(mcp_command)
 
 DbOption = Annotated[
     str,

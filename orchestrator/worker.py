@@ -3,9 +3,10 @@
 Each loop iteration claims a batch of due transactions in **one statement** (``UPDATE …
 WHERE tx_id IN (SELECT … FOR UPDATE SKIP LOCKED LIMIT n) RETURNING`` on PostgreSQL, a plain
 scan + compare-and-set on SQLite, see :func:`ledger.transactions.claim_due`), drives each with
-the same driver ``execute`` uses (lookup before any re-apply), dispatches due outbox events, and
-sleeps with jitter when there is nothing to do. :meth:`Worker.stop` (SIGTERM / SIGINT in the
-CLI) stops claiming; every saga in hand finishes its current provider call and its write, then
+the same driver ``execute`` uses (lookup before any re-apply), dispatches due outbox events,
+delivers due lifecycle callbacks (:mod:`orchestrator.callback_delivery`), and sleeps with
+jitter when there is nothing to do. :meth:`Worker.stop` (SIGTERM / SIGINT in the CLI) stops
+claiming; every saga in hand finishes its current provider call and its write, then
 gives its lease back instead of taking the next step. A worker that dies simply lets its leases
 expire.
 """
@@ -22,6 +23,7 @@ import structlog
 from ledger import effects, transactions
 from ledger.effects import EffectKind
 from ledger.errors import LeaseLost, StorageError
+from orchestrator.callback_delivery import deliver_due
 from orchestrator.engine import Orchestrator
 
 log = structlog.get_logger(__name__)
@@ -34,6 +36,7 @@ class WorkerStats:
     claimed: int = 0
     finished: int = 0
     events: int = 0
+    callbacks: int = 0
     lease_lost: int = 0
     errors: int = 0
     passes: int = 0
@@ -104,7 +107,23 @@ class Worker:
             self._spawn(self._drive(txc))
         for tx_id in due_events:
             self._spawn(self._dispatch(tx_id))
-        return len(claimed) + len(due_events)
+        return len(claimed) + len(due_events) + await self._deliver_callbacks()
+
+    async def _deliver_callbacks(self) -> int:
+        """Send due lifecycle callbacks; how many were claimed.
+
+        Inline, after this pass's sagas were started (they run as tasks meanwhile): an idle
+        check is one read, and a batch holds the next claim back by at most one POST timeout.
+        """
+        s = self.orch.settings
+        try:
+            report = await deliver_due(self.orch.store, owner=s.worker_id, lease_ms=s.lease_ms)
+        except StorageError as exc:
+            self.stats.errors += 1
+            log.warning("callback claim failed", error=type(exc).__name__)
+            return 0
+        self.stats.callbacks += report.delivered
+        return report.claimed
 
     def _spawn(self, job: asyncio.Future[None] | asyncio.Task[None] | object) -> None:
         task: asyncio.Task[None] = asyncio.ensure_future(job)  # type: ignore[arg-type]

@@ -138,8 +138,8 @@ NEW_TABLES = {
 
 
 async def test_migration_0002_round_trip(store: Store) -> None:
-    assert migrate.HEAD == "0002"
-    assert await migrate.current_revision(store.engine) == "0002"
+    assert migrate.HEAD >= "0002"
+    assert await migrate.current_revision(store.engine) == migrate.HEAD
     async with store.engine.connect() as conn:
         assert await conn.run_sync(_table_names) >= NEW_TABLES
         assert "context" in await conn.run_sync(_columns, "transactions")
@@ -152,7 +152,7 @@ async def test_migration_0002_round_trip(store: Store) -> None:
         assert "execution_id" in await conn.run_sync(_columns, "transactions")  # 0001's
 
     await migrate.upgrade(store.engine)
-    assert await migrate.current_revision(store.engine) == "0002"
+    assert await migrate.current_revision(store.engine) == migrate.HEAD
     await _command(store)  # the recreated tables work
 
 

@@ -1,0 +1,111 @@
+"""``agent-txn ops …``: the operator jobs of :mod:`orchestrator.ops`, run by hand.
+
+* ``ops prune`` deletes succeeded and failed execution records older than 180 days (staged never,
+  the ledger never);
+* ``ops requeue-callbacks`` recovers lost callback deliveries.
+
+Operator-triggered only: nothing here schedules itself. Whoever can open the database is trusted
+as an operator (the HTTP routes check :func:`orchestrator.ops.is_operator` instead). Every
+subcommand takes ``--db`` like the rest of the CLI, opens the store with ``auto_upgrade="never"``
+and fails the same way: one ``error:`` line on stderr, exit code 2. ``--json`` prints exactly the
+dictionary the Python API returns.
+
+The shared CLI plumbing is imported from :mod:`orchestrator.cli` inside the functions: ``cli``
+imports this module to register it, so a module-level import back would be circular.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from typing import Annotated, Any, Final
+
+import typer
+
+from ledger.store import Store
+from orchestrator import ops
+
+DEFAULT_DB: Final = "sqlite+aiosqlite:///agent.db"
+DB_ENV: Final = "AGENT_TXN_DB"
+
+ops_app = typer.Typer(
+    help="Operator jobs: retention pruning, callback requeue.", no_args_is_help=True
+)
+
+DbOption = Annotated[
+    str,
+    typer.Option(
+        "--db",
+        envvar=DB_ENV,
+        help="agent-txn database URL (sqlite+aiosqlite:///path.db or postgresql+asyncpg://…).",
+        show_envvar=True,
+    ),
+]
+JsonOption = Annotated[bool, typer.Option("--json", help="Print the result as JSON.")]
+
+
+def _run(db: str, job: Callable[[Store], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
+    """Open the store and run ``job``; expected failures end as one line on stderr (exit 2)."""
+    from orchestrator import cli
+
+    async def main() -> dict[str, Any]:
+        url = cli._checked_url(db)
+        cli._require_existing(url)
+        store = await Store.open(url, auto_upgrade="never")
+        try:
+            return await job(store)
+        finally:
+            await store.close()
+
+    return cli._run(main())
+
+
+def _print(result: dict[str, Any], as_json: bool, text: str) -> None:
+    if as_json:
+        typer.echo(json.dumps(result, sort_keys=True))  # exact: no markup, no wrapping
+    else:
+        typer.echo(text)
+
+
+@ops_app.command("prune")
+def prune(db: DbOption = DEFAULT_DB, as_json: JsonOption = False) -> None:
+    """Delete succeeded and failed execution records older than 180 days (staged never)."""
+    result = _run(db, lambda store: ops.prune(store))
+    _print(
+        result,
+        as_json,
+        f"pruned {result['pruned']} execution record(s) created before {result['cutoff']} "
+        f"(retention {result['retention_days']} days)",
+    )
+
+
+@ops_app.command("requeue-callbacks")
+def requeue_callbacks(
+    db: DbOption = DEFAULT_DB,
+    older_than_seconds: Annotated[
+        float,
+        typer.Option(help="How long a pending or running run must sit untouched to be stale."),
+    ] = ops.REQUEUE_DEFAULT_OLDER_THAN_SECONDS,
+    limit: Annotated[
+        int, typer.Option(help=f"Most runs to change, 1..{ops.REQUEUE_MAX_LIMIT}.")
+    ] = ops.REQUEUE_DEFAULT_LIMIT,
+    as_json: JsonOption = False,
+) -> None:
+    """Republish stale pending, retry eligible failed, reclaim stale running callback runs."""
+    # Range checks live in ops.requeue_callbacks (one rule for CLI and HTTP), so a bad value
+    # ends as the same one-line request_invalid error here.
+    result = _run(
+        db,
+        lambda store: ops.requeue_callbacks(
+            store, older_than_seconds=older_than_seconds, limit=limit
+        ),
+    )
+    _print(
+        result,
+        as_json,
+        f"republished {result['republished']}, retried {result['retried']}, "
+        f"reclaimed {result['reclaimed']}",
+    )
+
+
+__all__ = ["ops_app"]
