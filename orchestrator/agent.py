@@ -414,45 +414,13 @@ class AgentToolbox:
             raise RoomWriteProtected()
 
     async def window(self, room_id: str) -> list[Marker]:
-        """The room's markers (newest first), after flipping expired ones in a separate
-        best-effort transaction that only logs its errors."""
-        async with self._store.read() as conn:
-            rows = await executions.agent_window(conn, room_id, limit=WINDOW_ROWS)
-        markers = [m for m in (marker_of(r) for r in rows) if m is not None]
-        now = self._store.now_ms()
-        expired = [m for m in markers if m.state == "pending" and m.expires_at <= now]
-        if expired:
-            try:
-                async with self._store.transaction() as work:
-                    for m in expired:
-                        fresh = await executions.get_for_update(work, m.execution.execution_id)
-                        if fresh is not None:
-                            await _settle(work, fresh, "expired")
-            except Exception as exc:  # best effort: never blocks the lookup
-                log.warning("delivery marker expiry failed", room=room_id, error=type(exc).__name__)
-            else:
-                markers = [
-                    dataclasses.replace(m, state="expired") if m in expired else m for m in markers
-                ]
-        return markers
-
-    # -- operators -----------------------------------------------------------------------------
+        """The room's markers (newest first), expired ones flipped first (see :func:`window`)."""
+        return await window(self._store, room_id)
 
     async def deliveries(self, operator: Caller, room_id: str) -> list[dict[str, Any]]:
-        """Markers of a room with their state, ``expires_at`` and ``in_window``."""
+        """Markers of a room with their state, ``expires_at`` and ``in_window`` (operators)."""
         await self._require_operator(operator)
-        now = self._store.now_ms()
-        return [
-            {
-                "execution_id": m.execution.execution_id,
-                "command_id": m.execution.command_id,
-                "state": m.state,
-                "expires_at": audit.iso(m.expires_at),
-                "in_window": m.live(now),
-                "created_at": audit.iso(m.execution.created_at),
-            }
-            for m in await self.window(room_id)
-        ]
+        return await deliveries(self._store, room_id)
 
     async def acknowledge(
         self,
@@ -463,36 +431,9 @@ class AgentToolbox:
         execute: bool = False,
         force: bool = False,
     ) -> list[dict[str, Any]]:
-        """Release selected markers. ``execute=False`` previews per marker and writes nothing;
-        in-window markers need ``force`` (it re-opens the window for duplicates). Never undoes
-        a committed write: only the marker and its key are released."""
+        """Release selected markers (operators); see :func:`acknowledge`."""
         await self._require_operator(operator)
-        by_id = {m.execution.execution_id: m for m in await self.window(room_id)}
-        now = self._store.now_ms()
-        out: list[dict[str, Any]] = []
-        for execution_id in execution_ids:
-            m = by_id.get(execution_id)
-            if m is None:
-                out.append({"execution_id": execution_id, "result": "not_found"})
-                continue
-            entry: dict[str, Any] = {
-                "execution_id": execution_id,
-                "state": m.state,
-                "in_window": m.live(now),
-            }
-            if m.state != "pending":
-                entry["result"] = "not_pending"
-            elif m.live(now) and not force:
-                entry["result"] = "needs_force"
-            elif not execute:
-                entry["result"] = "would_acknowledge"
-            else:
-                async with self._store.transaction() as work:
-                    fresh = await executions.get_for_update(work, execution_id)
-                    done = fresh is not None and await _settle(work, fresh, "acknowledged")
-                entry["result"] = "acknowledged" if done else "not_pending"
-            out.append(entry)
-        return out
+        return await acknowledge(self._store, room_id, execution_ids, execute=execute, force=force)
 
     async def _require_operator(self, operator: Caller) -> Principal:
         authz.require_jwt(operator)
@@ -507,6 +448,88 @@ class AgentToolbox:
         if not authz.manages(principal, [OPS_RESOURCE]):
             raise PrincipalNotAuthorized()
         return principal
+
+
+async def window(store: Any, room_id: str) -> list[Marker]:
+    """The room's markers (newest first), after flipping expired ones in a separate
+    best-effort transaction that only logs its errors."""
+    async with store.read() as conn:
+        rows = await executions.agent_window(conn, room_id, limit=WINDOW_ROWS)
+    markers = [m for m in (marker_of(r) for r in rows) if m is not None]
+    now = store.now_ms()
+    expired = [m for m in markers if m.state == "pending" and m.expires_at <= now]
+    if expired:
+        try:
+            async with store.transaction() as work:
+                for m in expired:
+                    fresh = await executions.get_for_update(work, m.execution.execution_id)
+                    if fresh is not None:
+                        await _settle(work, fresh, "expired")
+        except Exception as exc:  # best effort: never blocks the lookup
+            log.warning("delivery marker expiry failed", room=room_id, error=type(exc).__name__)
+        else:
+            markers = [
+                dataclasses.replace(m, state="expired") if m in expired else m for m in markers
+            ]
+    return markers
+
+
+# -- operators (also used by `agent-txn ops deliveries`, which runs with database access) ------
+
+
+async def deliveries(store: Any, room_id: str) -> list[dict[str, Any]]:
+    """Markers of a room with their state, ``expires_at`` and ``in_window``."""
+    now = store.now_ms()
+    return [
+        {
+            "execution_id": m.execution.execution_id,
+            "command_id": m.execution.command_id,
+            "state": m.state,
+            "expires_at": audit.iso(m.expires_at),
+            "in_window": m.live(now),
+            "created_at": audit.iso(m.execution.created_at),
+        }
+        for m in await window(store, room_id)
+    ]
+
+
+async def acknowledge(
+    store: Any,
+    room_id: str,
+    execution_ids: Sequence[str],
+    *,
+    execute: bool = False,
+    force: bool = False,
+) -> list[dict[str, Any]]:
+    """Release selected markers. ``execute=False`` previews per marker and writes nothing;
+    in-window markers need ``force`` (it re-opens the window for duplicates). Never undoes
+    a committed write: only the marker and its key are released."""
+    by_id = {m.execution.execution_id: m for m in await window(store, room_id)}
+    now = store.now_ms()
+    out: list[dict[str, Any]] = []
+    for execution_id in execution_ids:
+        m = by_id.get(execution_id)
+        if m is None:
+            out.append({"execution_id": execution_id, "result": "not_found"})
+            continue
+        entry: dict[str, Any] = {
+            "execution_id": execution_id,
+            "state": m.state,
+            "in_window": m.live(now),
+        }
+        if m.state != "pending":
+            entry["result"] = "not_pending"
+        elif m.live(now) and not force:
+            entry["result"] = "needs_force"
+        elif not execute:
+            entry["result"] = "would_acknowledge"
+        else:
+            async with store.transaction() as work:
+                fresh = await executions.get_for_update(work, execution_id)
+                done = fresh is not None and await _settle(work, fresh, "acknowledged")
+            entry["result"] = "acknowledged" if done else "not_pending"
+        out.append(entry)
+    return out
 
 
 async def _settle(work: Work, record: ExecutionRow, to_state: str) -> bool:

@@ -108,4 +108,56 @@ def requeue_callbacks(
     )
 
 
+@ops_app.command("deliveries")
+def deliveries(
+    room: Annotated[str, typer.Argument(help="The room whose delivery markers to list.")],
+    db: DbOption = DEFAULT_DB,
+    as_json: JsonOption = False,
+) -> None:
+    """List a room's agent delivery markers: state, expires_at, in_window (expired ones are
+    flipped first, as every lookup does)."""
+    from orchestrator import agent
+
+    rows = _run(db, lambda store: _wrap(agent.deliveries(store, room)))["markers"]
+    text = "\n".join(
+        f"{m['execution_id']}  {m['state']:<12} expires {m['expires_at']}  "
+        f"{'in window' if m['in_window'] else 'outside window'}"
+        for m in rows
+    )
+    _print({"markers": rows}, as_json, text or "no delivery markers in this room")
+
+
+@ops_app.command("acknowledge")
+def acknowledge(
+    room: Annotated[str, typer.Argument(help="The room of the markers.")],
+    execution: Annotated[
+        list[str], typer.Option("--execution", "-e", help="Execution id (repeatable).")
+    ],
+    execute: Annotated[
+        bool, typer.Option("--execute", help="Release them (default: preview, no write).")
+    ] = False,
+    force: Annotated[
+        bool,
+        typer.Option("--force", help="Also release in-window markers (re-opens duplicates)."),
+    ] = False,
+    db: DbOption = DEFAULT_DB,
+    as_json: JsonOption = False,
+) -> None:
+    """Release selected delivery markers; never rolls back a committed write."""
+    from orchestrator import agent
+
+    rows = _run(
+        db,
+        lambda store: _wrap(
+            agent.acknowledge(store, room, execution, execute=execute, force=force)
+        ),
+    )["markers"]
+    text = "\n".join(f"{m['execution_id']}  {m['result']}" for m in rows)
+    _print({"markers": rows}, as_json, text)
+
+
+async def _wrap(job: Awaitable[list[dict[str, Any]]]) -> dict[str, Any]:
+    return {"markers": await job}
+
+
 __all__ = ["ops_app"]

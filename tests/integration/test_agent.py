@@ -297,3 +297,44 @@ async def test_a_full_65_row_window_with_a_pending_oldest_row_fails_closed(world
         await agent.prepare(alice, info["command_id"], {**ORDER, "amount": 999})
     await agent.mark_delivered(alice, oldest["execution_id"])  # capacity frees
     assert (await agent.prepare(alice, info["command_id"], {**ORDER, "amount": 999}))["proposal"]
+
+
+async def test_ops_cli_lists_previews_and_acknowledges_markers(world: World) -> None:
+    import json
+
+    from typer.testing import CliRunner
+
+    from orchestrator import cli
+
+    alice, info = await _setup(world)
+    agent = world.orch.agent
+    token = (await agent.prepare(alice, info["command_id"], ORDER))["confirmation_token"]
+    await agent.execute_staged_action(alice, token)
+    runner = CliRunner()
+
+    def run(*args: str) -> Any:
+        result = await_cli(runner, cli.app, [*args, "--db", world.urls.store, "--json"])
+        return json.loads(result)["markers"]
+
+    listed = run("ops", "deliveries", "room-1")
+    assert [(m["state"], m["in_window"]) for m in listed] == [("pending", True)]
+    execution_id = listed[0]["execution_id"]
+    assert run("ops", "acknowledge", "room-1", "-e", execution_id, "--force")[0]["result"] == (
+        "would_acknowledge"
+    )
+    assert run("ops", "acknowledge", "room-1", "-e", execution_id, "--execute")[0]["result"] == (
+        "needs_force"
+    )
+    done = run("ops", "acknowledge", "room-1", "-e", execution_id, "--execute", "--force")
+    assert done[0]["result"] == "acknowledged"
+    assert (await agent.window("room-1"))[0].state == "acknowledged"
+
+
+def await_cli(runner: Any, app: Any, args: list[str]) -> str:
+    """Run the CLI in a worker thread: it starts its own event loop."""
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        result = pool.submit(runner.invoke, app, args).result()
+    assert result.exit_code == 0, result.output
+    return str(result.stdout)
