@@ -40,3 +40,24 @@ def sha256_hex(text: str) -> str:
 def fingerprint(value: Any) -> str:
     """SHA-256 of the canonical JSON of ``value``: the payload fingerprint and definition digest."""
     return sha256_hex(canonical_json(value))
+
+
+def unstorable_text(value: Any) -> bool:
+    """True if ``value`` holds a string no backend stores faithfully: a NUL character
+    (PostgreSQL text and JSONB refuse it) or a lone surrogate (not encodable as UTF-8)."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if "\x00" in item:
+                return True
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return False

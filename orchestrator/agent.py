@@ -149,7 +149,7 @@ class AgentToolbox:
         person and the confirmation token for the agent."""
         caller = _in_room(caller, room_id)
         authz.require_jwt(caller)
-        async with self._store.read() as conn:
+        async with self.svc._read() as conn:
             row = await self.svc._visible(conn, command_id)
             principal = await authz.load_principal(
                 conn,
@@ -214,7 +214,7 @@ class AgentToolbox:
     ) -> tuple[staged.StagedActionRow, ExecutionRow, Any, StoredCommand]:
         if not isinstance(token, str) or not TOKEN_PATTERN.fullmatch(token):
             raise ConfirmationInvalid()
-        async with self._store.read() as conn:
+        async with self.svc._read() as conn:
             action = await staged.get_action(conn, _token_hash(token))
             if action is None or (action.invoker_kind, action.invoker_id) != (
                 caller.kind,
@@ -253,7 +253,7 @@ class AgentToolbox:
         if row.deleted_at is not None or row.digest != action.digest:
             await self._release(action, record, "command_contract_mismatch")
             raise ContractMismatch()
-        async with self._store.read() as conn:
+        async with self.svc._read() as conn:
             await authz.load_principal(
                 conn,
                 caller,
@@ -367,7 +367,7 @@ class AgentToolbox:
         return await self._status_of(record.execution_id, stored.name, action.language)
 
     async def _status_of(self, execution_id: str, action: str, lang: str) -> dict[str, Any]:
-        async with self._store.read() as conn:
+        async with self.svc._read() as conn:
             record = await executions.get(conn, execution_id)
         assert record is not None
         if record.status == "succeeded":
@@ -437,7 +437,7 @@ class AgentToolbox:
 
     async def _require_operator(self, operator: Caller) -> Principal:
         authz.require_jwt(operator)
-        async with self._store.read() as conn:
+        async with self.svc._read() as conn:
             principal = await authz.load_principal(
                 conn,
                 operator,

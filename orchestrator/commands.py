@@ -34,10 +34,11 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import contextlib
 import random
 import re
 import uuid
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
@@ -48,6 +49,7 @@ from ledger import action_settings, commands, executions, reservations, staged
 from ledger import callbacks as callback_runs
 from ledger.canonical import NotCanonicalizable, canonical_json, fingerprint
 from ledger.commands import CommandRow
+from ledger.errors import StorageError, StoreBusy
 from ledger.executions import ExecutionRow
 from ledger.store import Work
 from orchestrator import audit, authz, budgets, definitions, expressions
@@ -80,6 +82,7 @@ from orchestrator.errors import (
     SourceAuthorityChanged,
     StagedChangeDecided,
     StagedChangeNotFound,
+    StoreUnavailableError,
 )
 from orchestrator.saga import SagaDefinition
 from orchestrator.views import SagaResult
@@ -168,6 +171,17 @@ class CommandService:
         #: test can edit the command in that gap and see ``source_authority_changed``.
         self.between_validation_and_apply: Callable[[], Awaitable[None]] | None = None
 
+    @contextlib.asynccontextmanager
+    async def _read(self) -> AsyncIterator[Any]:
+        """A read transaction whose storage failures reach callers as registered errors."""
+        try:
+            async with self.orch.store.read() as conn:
+                yield conn
+        except StoreBusy as exc:
+            raise LockConflict() from exc
+        except StorageError as exc:
+            raise StoreUnavailableError() from exc
+
     @property
     def tenant(self) -> str:
         """The tenant this engine serves (from its settings)."""
@@ -199,8 +213,11 @@ class CommandService:
         raw = definition.definition() if isinstance(definition, definitions.Command) else definition
         if scope_kind not in ("company", "room"):
             raise RequestInvalid(details={"errors": [{"field": "scope.kind", "problem": "enum"}]})
+        if scope_kind == "company" and scope_id not in (None, self.tenant):
+            # The company is this tenant: another id would be a scope nobody can mount.
+            raise RequestInvalid(details={"errors": [{"field": "scope.id", "problem": "tenant"}]})
         scope_id = scope_id or self.tenant
-        async with self.orch.store.read() as conn:
+        async with self._read() as conn:
             principal = await authz.load_principal(
                 conn, caller, tenant=self.tenant, scope_kind=scope_kind, scope_id=scope_id
             )
@@ -239,7 +256,7 @@ class CommandService:
         """Replace a command's definition (compare-and-set on its digest)."""
         authz.require_jwt(caller)
         raw = definition.definition() if isinstance(definition, definitions.Command) else definition
-        async with self.orch.store.read() as conn:
+        async with self._read() as conn:
             row = await self._visible(conn, command_id)
             principal = await authz.load_principal(
                 conn, caller, tenant=self.tenant, scope_kind=row.scope_kind, scope_id=row.scope_id
@@ -269,7 +286,7 @@ class CommandService:
     async def get(self, caller: Caller, command_id: str) -> dict[str, Any]:
         """One visible command."""
         authz.require_jwt(caller)
-        async with self.orch.store.read() as conn:
+        async with self._read() as conn:
             row = await self._visible(conn, command_id)
             await authz.load_principal(
                 conn, caller, tenant=self.tenant, scope_kind=row.scope_kind, scope_id=row.scope_id
@@ -283,25 +300,36 @@ class CommandService:
         authz.require_jwt(caller)
         _check_page(skip, limit)
         out: list[dict[str, Any]] = []
-        async with self.orch.store.read() as conn:
-            for row in await commands.list_(conn, tenant=self.tenant, skip=0, limit=10_000):
-                try:
-                    await authz.load_principal(
-                        conn,
-                        caller,
-                        tenant=self.tenant,
-                        scope_kind=row.scope_kind,
-                        scope_id=row.scope_id,
-                    )
-                except PrincipalNotAuthorized:
-                    continue
-                out.append(command_view(row))
+        allowed: dict[tuple[str, str], bool] = {}  # one principal check per scope, not per row
+        offset = 0
+        async with self._read() as conn:
+            while len(out) < skip + limit:
+                page = await commands.list_(conn, tenant=self.tenant, skip=offset, limit=200)
+                if not page:
+                    break
+                offset += len(page)
+                for row in page:
+                    scope = (row.scope_kind, row.scope_id)
+                    if scope not in allowed:
+                        try:
+                            await authz.load_principal(
+                                conn,
+                                caller,
+                                tenant=self.tenant,
+                                scope_kind=row.scope_kind,
+                                scope_id=row.scope_id,
+                            )
+                            allowed[scope] = True
+                        except PrincipalNotAuthorized:
+                            allowed[scope] = False
+                    if allowed[scope]:
+                        out.append(command_view(row))
         return out[skip : skip + limit]
 
     async def delete(self, caller: Caller, command_id: str) -> None:
         """Soft-delete a command (its executions stay readable)."""
         authz.require_jwt(caller)
-        async with self.orch.store.read() as conn:
+        async with self._read() as conn:
             row = await self._visible(conn, command_id)
             principal = await authz.load_principal(
                 conn, caller, tenant=self.tenant, scope_kind=row.scope_kind, scope_id=row.scope_id
@@ -352,7 +380,7 @@ class CommandService:
             not isinstance(idempotency_key, str) or not 1 <= len(idempotency_key) <= 128
         ):
             raise IdempotencyKeyInvalid(details={"field": "idempotency_key"})
-        async with self.orch.store.read() as conn:
+        async with self._read() as conn:
             row = await self._visible(conn, command_id)
             # Frozen: everything below judges this exact row.
             if expected_contract_digest is not None and expected_contract_digest != row.digest:
@@ -720,7 +748,7 @@ class CommandService:
 
     async def _respond(self, execution_id: str, result: SagaResult) -> Outcome:
         """Map a driven execution to what the caller receives."""
-        async with self.orch.store.read() as conn:
+        async with self._read() as conn:
             record = await executions.get(conn, execution_id)
         if record is None:
             # The plan did not land: another transaction holds (or committed) the business key.
@@ -796,7 +824,7 @@ class CommandService:
         return execution_id
 
     async def _approvals_needed(self, stored: StoredCommand) -> builtins.list[tuple[str, str]]:
-        async with self.orch.store.read() as conn:
+        async with self._read() as conn:
             rows = {(r.provider, r.action): r for r in await action_settings.all_(conn)}
         needed = []
         for step in stored.effect_steps:
@@ -916,7 +944,7 @@ class CommandService:
 
         assert record.tx_id is not None
         await self.orch.release_staged(record.tx_id, code="approval_rejected", hook=decide)
-        async with self.orch.store.read() as conn:
+        async with self._read() as conn:
             final = await executions.get(conn, record.execution_id)
         assert final is not None
         del change
@@ -927,7 +955,7 @@ class CommandService:
     ) -> tuple[staged.StagedChangeRow, ExecutionRow, CommandRow]:
         """The pending change, its execution and command, and proof the approver may decide."""
         authz.require_jwt(approver)
-        async with self.orch.store.read() as conn:
+        async with self._read() as conn:
             change = await staged.get_change(conn, staged_change_id)
             if change is None:
                 raise StagedChangeNotFound()
@@ -964,7 +992,7 @@ class CommandService:
     async def query(self, caller: Caller, command_id: str, inputs: Any) -> dict[str, Any]:
         """Run a query-mode command: reads and expressions only; no lock, no audit row."""
         authz.require_jwt(caller)
-        async with self.orch.store.read() as conn:
+        async with self._read() as conn:
             row = await self._visible(conn, command_id)
             principal = await authz.load_principal(
                 conn, caller, tenant=self.tenant, scope_kind=row.scope_kind, scope_id=row.scope_id
@@ -1002,7 +1030,7 @@ class CommandService:
         authz.require_jwt(caller)
         _check_page(skip, limit)
         out: list[dict[str, Any]] = []
-        async with self.orch.store.read() as conn:
+        async with self._read() as conn:
             row, principal = await self._audit_context(conn, caller, command_id)
             offset = 0
             while len(out) < skip + limit:
@@ -1016,7 +1044,7 @@ class CommandService:
     async def execution(self, caller: Caller, command_id: str, execution_id: str) -> dict[str, Any]:
         """One execution, if the caller may see it; else 404 (never 403: no probing)."""
         authz.require_jwt(caller)
-        async with self.orch.store.read() as conn:
+        async with self._read() as conn:
             row, principal = await self._audit_context(conn, caller, command_id)
             record = await executions.get(conn, execution_id)
         if record is None or record.command_id != command_id:
@@ -1041,7 +1069,7 @@ class CommandService:
 
     async def pending_callbacks(self, execution_id: str) -> builtins.list[Any]:
         """Callback runs queued for an execution (delivery is the workers' job)."""
-        async with self.orch.store.read() as conn:
+        async with self._read() as conn:
             return list(await callback_runs.for_execution(conn, execution_id))
 
 

@@ -73,7 +73,7 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 from pydantic import Field as PydField
 
-from ledger.canonical import NotCanonicalizable, canonical_json, fingerprint
+from ledger.canonical import NotCanonicalizable, canonical_json, fingerprint, unstorable_text
 from orchestrator import budgets, expressions
 from orchestrator.errors import (
     DefinitionInvalid,
@@ -1403,6 +1403,8 @@ def normalize(
     budgets.check_definition(raw)
     if not isinstance(raw, Mapping):
         raise _invalid("a command definition is a JSON object", "/")
+    if unstorable_text(raw):
+        raise _invalid("a string holds a NUL character or an unpaired surrogate", "/")
     if "dependency_contract" in raw:
         raise _invalid(
             "/: unknown key 'dependency_contract' (the server builds it)", "/dependency_contract"

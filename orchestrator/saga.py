@@ -35,7 +35,7 @@ from typing import Any, Final
 from pydantic import ConfigDict, ValidationError, create_model
 from pydantic import Field as PydField
 
-from ledger.canonical import NotCanonicalizable, canonical_json, fingerprint
+from ledger.canonical import NotCanonicalizable, canonical_json, fingerprint, unstorable_text
 from orchestrator import expressions
 from orchestrator.errors import DefinitionInvalid, InputInvalid
 from orchestrator.keys import is_identifier
@@ -381,6 +381,10 @@ class SagaDefinition:
             ]
             raise InputInvalid(details={"errors": problems}) from None
         out: dict[str, Any] = validated.model_dump(exclude_unset=True)
+        if unstorable_text(out):
+            raise InputInvalid(
+                details={"errors": [{"field": "", "problem": "NUL or unpaired surrogate"}]}
+            )
         try:
             canonical_json(out)
         except NotCanonicalizable:

@@ -581,3 +581,30 @@ async def test_lifecycle_callbacks_are_queued_with_the_outcome(world: World) -> 
     ]
     assert [(r.event, r.state) for r in failed] == [("failed", "pending")]
     assert failed[0].payload["execution_id"] == caught.value.execution_id
+
+
+async def test_unstorable_text_is_refused_as_invalid_input_on_both_backends(world: World) -> None:
+    svc, alice, info = await _setup(world)
+    for bad in ("a\x00b", "\ud800"):
+        with pytest.raises(errors.InputInvalid):
+            await svc.execute(alice, info["command_id"], {**ORDER, "order_id": bad})
+    assert (await world.shop.counts())["inventory.reserve"] == 0
+
+
+async def test_company_scope_is_this_tenant(world: World) -> None:
+    svc = world.orch.commands
+    alice = await add_user(world.orch, "alice")
+    with pytest.raises(errors.RequestInvalid):
+        await svc.create(alice, order_command(), scope_kind="company", scope_id="another-tenant")
+
+
+async def test_storage_failures_on_reads_are_registered_errors(world: World) -> None:
+    svc, alice, info = await _setup(world)
+    await world.orch.store.engine.dispose()
+    url = world.urls.store
+    broken = url.replace("agent.db", "missing/dir/agent.db") if "sqlite" in url else url + "_nope"
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    world.orch.store.engine = create_async_engine(broken)
+    with pytest.raises(errors.StoreUnavailableError):
+        await svc.get(alice, info["command_id"])
