@@ -13,6 +13,7 @@ import pytest
 from sqlalchemy import func, select
 
 from ledger import action_settings, commands, principals
+from ledger.canonical import canonical_json
 from ledger.schema import (
     callback_runs,
     executions,
@@ -608,3 +609,62 @@ async def test_storage_failures_on_reads_are_registered_errors(world: World) -> 
     world.orch.store.engine = create_async_engine(broken)
     with pytest.raises(errors.StoreUnavailableError):
         await svc.get(alice, info["command_id"])
+
+
+STOCK_QUERY = {
+    "kind": "query",
+    "name": "stock",
+    "provider": "inventory",
+    "action": "stock",
+    "payload": {"sku": {"$ref": "inputs.sku"}},
+}
+
+
+async def _query_command(world: World) -> tuple[CommandService, Caller, dict[str, Any]]:
+    return await _setup(
+        world,
+        actions=(*ORDER_ACTIONS, ("inventory", "stock")),
+        steps=[STOCK_QUERY, *order_command()["steps"]],
+        result={"available": {"$ref": "queries.stock.result.available"}},
+    )
+
+
+async def test_query_budget_at_limit_and_limit_plus_one(world: World) -> None:
+    svc, alice, info = await _query_command(world)
+    svc.limits = CommandLimits(max_queries=1)
+    assert (await svc.execute(alice, info["command_id"], ORDER)).status_code == 200
+    svc.limits = CommandLimits(max_queries=0)
+    with pytest.raises(errors.LimitExceeded) as caught:
+        await svc.execute(alice, info["command_id"], {**ORDER, "order_id": "43"})
+    assert caught.value.code == "query_limit_exceeded"
+    assert caught.value.details == {"resource": "query", "limit": 0, "actual": 1}
+
+
+async def test_output_budget_at_limit_and_limit_plus_one(world: World) -> None:
+    svc, alice, info = await _setup(world)  # result: the charge's id (always the same size)
+    first = await svc.execute(alice, info["command_id"], ORDER)
+    size = len(canonical_json(first.body["result"]))
+    tight = await world.engine(max_output_bytes=size)
+    tight_svc = tight.commands
+    assert (
+        await tight_svc.execute(alice, info["command_id"], {**ORDER, "order_id": "a"})
+    ).status_code == 200
+    tighter = await world.engine(max_output_bytes=size - 1)
+    with pytest.raises(errors.OutcomeError) as caught:
+        await tighter.commands.execute(alice, info["command_id"], {**ORDER, "order_id": "b"})
+    assert caught.value.code == "output_limit_exceeded"
+    counts = await world.shop.counts()
+    assert counts["payments.refund"] == 1  # turned back before commit, every effect reversed
+
+
+async def test_a_slow_read_phase_is_504_command_timeout_and_writes_nothing(world: World) -> None:
+    svc, alice, info = await _query_command(world)
+    world.shop.faults.add(
+        FaultRule(FaultKind.TIMEOUT, provider="inventory", action="stock", delay_s=5.0)
+    )
+    svc.limits = CommandLimits(timeout_seconds=0.2)
+    before = await _counts(world)
+    with pytest.raises(errors.CommandTimeout) as caught:
+        await svc.execute(alice, info["command_id"], ORDER)
+    assert caught.value.http_status == 504 and caught.value.details == {"limit": 0.2}
+    assert await _counts(world) == before
