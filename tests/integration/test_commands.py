@@ -668,3 +668,30 @@ async def test_a_slow_read_phase_is_504_command_timeout_and_writes_nothing(world
         await svc.execute(alice, info["command_id"], ORDER)
     assert caught.value.http_status == 504 and caught.value.details == {"limit": 0.2}
     assert await _counts(world) == before
+
+
+@pytest.mark.parametrize(
+    "point", ["prepare.after_commit", "record.before_commit", "commit.before_commit"]
+)
+async def test_a_crash_mid_execution_is_finished_by_a_worker_with_its_record(
+    world: World, point: str
+) -> None:
+    from orchestrator.crashpoints import SimulatedCrash
+
+    svc, alice, info = await _setup(world)
+    world.orch.crashpoints.arm(point)
+    with pytest.raises(SimulatedCrash):
+        await svc.execute(alice, info["command_id"], ORDER, idempotency_key="crash")
+    await world.orch.abandon()  # the process died: its connections go, its leases expire
+    survivor = await world.engine()
+    survivor.store.advance_clock(3600)
+    await survivor.drain(timeout_seconds=20)
+    record = (await survivor.commands.executions(alice, info["command_id"]))[0]
+    assert record["status"] == "succeeded", record
+    # Exactly one effect per intent, in the provider's own database.
+    counts = await world.shop.counts()
+    assert counts["payments.charge"] == 1 and counts["inventory.reserve"] == 1
+    replay = await survivor.commands.execute(
+        alice, info["command_id"], ORDER, idempotency_key="crash"
+    )
+    assert replay.replayed and replay.body["status"] == "succeeded"
