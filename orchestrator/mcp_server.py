@@ -55,14 +55,13 @@ import re
 import signal
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Final
 
 import structlog
 import typer
 
 from ledger import principals
-from orchestrator import authz
+from orchestrator import authz, serve
 from orchestrator.agent import tool_error, tool_result
 from orchestrator.authz import AuthSettings, Caller
 from orchestrator.errors import (
@@ -609,31 +608,11 @@ def mcp(
             "environment variable (options show in ps).",
         ),
     ] = None,
-    jwt_secret: Annotated[
-        str | None,
-        typer.Option(
-            "--jwt-secret",
-            envvar=SECRET_ENV,
-            show_envvar=True,
-            help="HS256 secret the JWT is verified with (at least 32 bytes).",
-        ),
-    ] = None,
-    jwt_public_key_file: Annotated[
-        Path | None,
-        typer.Option(
-            "--jwt-public-key-file", dir_okay=False, help="PEM RSA public key (RS256 instead)."
-        ),
-    ] = None,
-    jwt_audience: Annotated[
-        str | None, typer.Option("--jwt-audience", help="Required aud claim.")
-    ] = None,
-    jwt_issuer: Annotated[
-        str | None, typer.Option("--jwt-issuer", help="Required iss claim.")
-    ] = None,
-    tenant: Annotated[
-        str,
-        typer.Option("--tenant", envvar=TENANT_ENV, show_envvar=True, help="Tenant served."),
-    ] = "default",
+    jwt_secret: serve.JwtSecretOption = None,
+    jwt_public_key_file: serve.JwtPublicKeyOption = None,
+    jwt_audience: serve.JwtAudienceOption = None,
+    jwt_issuer: serve.JwtIssuerOption = None,
+    tenant: serve.TenantOption = "default",
     room: Annotated[
         str | None,
         typer.Option("--room", help="The room the agent acts in (its language, its window)."),

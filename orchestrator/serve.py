@@ -41,6 +41,32 @@ DEFAULT_DB: Final = "sqlite+aiosqlite:///agent.db"
 DB_ENV: Final = "AGENT_TXN_DB"
 SECRET_ENV: Final = "AGENT_TXN_JWT_SECRET"
 TENANT_ENV: Final = "AGENT_TXN_TENANT"
+
+
+# Options shared by every command that authenticates JWTs (``serve``, ``mcp``).
+JwtSecretOption = Annotated[
+    str | None,
+    typer.Option(
+        "--jwt-secret",
+        envvar=SECRET_ENV,
+        show_envvar=True,
+        help="HS256 secret JWTs are verified with (at least 32 bytes).",
+    ),
+]
+JwtPublicKeyOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--jwt-public-key-file", dir_okay=False, help="PEM RSA public key (RS256 instead)."
+    ),
+]
+JwtAudienceOption = Annotated[
+    str | None, typer.Option("--jwt-audience", help="Required aud claim.")
+]
+JwtIssuerOption = Annotated[str | None, typer.Option("--jwt-issuer", help="Required iss claim.")]
+TenantOption = Annotated[
+    str,
+    typer.Option("--tenant", envvar=TENANT_ENV, show_envvar=True, help="Tenant served."),
+]
 #: How long requests in progress may take to finish after SIGTERM.
 GRACEFUL_SECONDS: Final = 10
 
@@ -221,31 +247,11 @@ def serve(
     app_ref: Annotated[
         str | None, typer.Option("--app", help="module:attribute giving your providers.")
     ] = None,
-    jwt_secret: Annotated[
-        str | None,
-        typer.Option(
-            "--jwt-secret",
-            envvar=SECRET_ENV,
-            show_envvar=True,
-            help="HS256 secret JWTs are verified with (at least 32 bytes).",
-        ),
-    ] = None,
-    jwt_public_key_file: Annotated[
-        Path | None,
-        typer.Option(
-            "--jwt-public-key-file", dir_okay=False, help="PEM RSA public key (RS256 instead)."
-        ),
-    ] = None,
-    jwt_audience: Annotated[
-        str | None, typer.Option("--jwt-audience", help="Required aud claim.")
-    ] = None,
-    jwt_issuer: Annotated[
-        str | None, typer.Option("--jwt-issuer", help="Required iss claim.")
-    ] = None,
-    tenant: Annotated[
-        str,
-        typer.Option("--tenant", envvar=TENANT_ENV, show_envvar=True, help="Tenant served."),
-    ] = "default",
+    jwt_secret: JwtSecretOption = None,
+    jwt_public_key_file: JwtPublicKeyOption = None,
+    jwt_audience: JwtAudienceOption = None,
+    jwt_issuer: JwtIssuerOption = None,
+    tenant: TenantOption = "default",
 ) -> None:
     """Serve the commands HTTP API (OpenAPI at /openapi.json) until SIGTERM or SIGINT."""
     from orchestrator import cli
