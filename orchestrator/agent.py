@@ -151,13 +151,7 @@ class AgentToolbox:
         authz.require_jwt(caller)
         async with self.svc._read() as conn:
             row = await self.svc._visible(conn, command_id)
-            principal = await authz.load_principal(
-                conn,
-                caller,
-                tenant=self.svc.tenant,
-                scope_kind=row.scope_kind,
-                scope_id=row.scope_id,
-            )
+            principal = await self.svc._principal(conn, caller, row)
             if row.mode != "execute":
                 raise CommandModeMismatch(details={"mode": row.mode})  # no staged path
             stored = StoredCommand.from_stored(row.definition)
@@ -254,13 +248,7 @@ class AgentToolbox:
             await self._release(action, record, "command_contract_mismatch")
             raise ContractMismatch()
         async with self.svc._read() as conn:
-            await authz.load_principal(
-                conn,
-                caller,
-                tenant=self.svc.tenant,
-                scope_kind=row.scope_kind,
-                scope_id=row.scope_id,
-            )
+            await self.svc._principal(conn, caller, row)
             await self.svc._check_dependencies(conn, stored)
             key = agent_key(row.command_id, action.room_id, record.input_snapshot)
             held = await reservations.get(conn, row.command_id, caller.bucket, key)

@@ -258,9 +258,7 @@ class CommandService:
         raw = definition.definition() if isinstance(definition, definitions.Command) else definition
         async with self._read() as conn:
             row = await self._visible(conn, command_id)
-            principal = await authz.load_principal(
-                conn, caller, tenant=self.tenant, scope_kind=row.scope_kind, scope_id=row.scope_id
-            )
+            principal = await self._principal(conn, caller, row)
             settings = await self._settings_map(conn)
         stored = definitions.normalize(raw, registry=self.orch.registry, settings=settings)
         self._require_manager(principal, stored)
@@ -288,9 +286,7 @@ class CommandService:
         authz.require_jwt(caller)
         async with self._read() as conn:
             row = await self._visible(conn, command_id)
-            await authz.load_principal(
-                conn, caller, tenant=self.tenant, scope_kind=row.scope_kind, scope_id=row.scope_id
-            )
+            await self._principal(conn, caller, row)
         return command_view(row)
 
     async def list(
@@ -312,13 +308,7 @@ class CommandService:
                     scope = (row.scope_kind, row.scope_id)
                     if scope not in allowed:
                         try:
-                            await authz.load_principal(
-                                conn,
-                                caller,
-                                tenant=self.tenant,
-                                scope_kind=row.scope_kind,
-                                scope_id=row.scope_id,
-                            )
+                            await self._principal(conn, caller, row)
                             allowed[scope] = True
                         except PrincipalNotAuthorized:
                             allowed[scope] = False
@@ -331,9 +321,7 @@ class CommandService:
         authz.require_jwt(caller)
         async with self._read() as conn:
             row = await self._visible(conn, command_id)
-            principal = await authz.load_principal(
-                conn, caller, tenant=self.tenant, scope_kind=row.scope_kind, scope_id=row.scope_id
-            )
+            principal = await self._principal(conn, caller, row)
         self._require_manager(principal, StoredCommand.from_stored(row.definition))
         async with self.orch.store.transaction() as work:
             if not await commands.soft_delete(work, command_id):
@@ -349,6 +337,12 @@ class CommandService:
             return None
         definition = await self.orch.register(stored.saga_part())
         return definition.digest
+
+    async def _principal(self, conn: Any, caller: Caller, row: CommandRow) -> Principal:
+        """The caller as a principal in the command's scope (one uniform 403 otherwise)."""
+        return await authz.load_principal(
+            conn, caller, tenant=self.tenant, scope_kind=row.scope_kind, scope_id=row.scope_id
+        )
 
     async def _visible(self, conn: Any, command_id: str) -> CommandRow:
         row = await commands.get(conn, command_id)
@@ -385,9 +379,7 @@ class CommandService:
             # Frozen: everything below judges this exact row.
             if expected_contract_digest is not None and expected_contract_digest != row.digest:
                 raise ContractMismatch()
-            principal = await authz.load_principal(
-                conn, caller, tenant=self.tenant, scope_kind=row.scope_kind, scope_id=row.scope_id
-            )
+            principal = await self._principal(conn, caller, row)
             if row.mode != "execute":
                 raise CommandModeMismatch(details={"mode": row.mode})
             stored = StoredCommand.from_stored(row.definition)
@@ -963,9 +955,7 @@ class CommandService:
             record = await executions.get(conn, change.execution_id)
             if row is None or record is None or row.tenant != self.tenant:
                 raise StagedChangeNotFound()
-            principal = await authz.load_principal(
-                conn, approver, tenant=self.tenant, scope_kind=row.scope_kind, scope_id=row.scope_id
-            )
+            principal = await self._principal(conn, approver, row)
             settings_rows = {(r.provider, r.action): r for r in await action_settings.all_(conn)}
         if change.state != "pending":
             raise StagedChangeDecided()
@@ -994,9 +984,7 @@ class CommandService:
         authz.require_jwt(caller)
         async with self._read() as conn:
             row = await self._visible(conn, command_id)
-            principal = await authz.load_principal(
-                conn, caller, tenant=self.tenant, scope_kind=row.scope_kind, scope_id=row.scope_id
-            )
+            principal = await self._principal(conn, caller, row)
             if row.mode != "query":
                 raise CommandModeMismatch(details={"mode": row.mode})
             stored = StoredCommand.from_stored(row.definition)
@@ -1060,9 +1048,7 @@ class CommandService:
         if row is None or row.tenant != self.tenant:
             raise ExecutionNotFound()
         try:
-            principal = await authz.load_principal(
-                conn, caller, tenant=self.tenant, scope_kind=row.scope_kind, scope_id=row.scope_id
-            )
+            principal = await self._principal(conn, caller, row)
         except PrincipalNotAuthorized:
             raise ExecutionNotFound() from None
         return row, principal

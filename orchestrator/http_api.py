@@ -13,26 +13,46 @@
     POST   /v1/commands/{command_id}/query                      query-mode commands
     GET    /v1/commands/{command_id}/executions?skip&limit      audit records, newest first
     GET    /v1/commands/{command_id}/executions/{execution_id}
+    POST   /v1/commands/{command_id}/prepare                    stage a plan for the person
+    POST   /v1/agent/execute                                    run the confirmed plan once
+    POST   /v1/agent/status                                     the plan's tool result now
+    POST   /v1/agent/delivered                                  the reply reached the room
+    POST   /v1/staged-changes/{staged_change_id}/approve        run a plan waiting for approval
+    POST   /v1/staged-changes/{staged_change_id}/reject         release it without running
+    GET    /v1/ops/deliveries?room_id                           operators: a room's markers
+    POST   /v1/ops/deliveries/acknowledge                       operators: release markers
+    POST   /v1/ops/executions/prune                             operators: retention prune
+    POST   /v1/ops/callbacks/requeue                            operators: lost callbacks
     GET    /healthz                                             liveness, no credentials
 
-This module only translates: HTTP in, :class:`~orchestrator.commands.CommandService` call, HTTP
-out. Every decision (which check comes first, what is written, who may see what) is the
-service's, so the Python API and the REST API cannot drift apart.
+This module only translates: HTTP in, :class:`~orchestrator.commands.CommandService` (or
+:class:`~orchestrator.agent.AgentToolbox`, :mod:`orchestrator.ops`) call, HTTP out. Every decision
+(which check comes first, what is written, who may see what) is the service's, so the Python API
+and the REST API cannot drift apart. The one check made here is who counts as an operator for the
+``/v1/ops`` routes (:func:`current_operator`), which the ops module leaves to its callers.
 
 Credentials: ``Authorization: Bearer <JWT>`` (:func:`~orchestrator.authz.authenticate_jwt`) or
 ``X-API-Key`` (:func:`~orchestrator.authz.authenticate_api_key`, which command routes then refuse
 with 403 ``jwt_required``); neither is the uniform 403 ``principal_not_authorized``. A caller
 built here is always ``jwt`` or ``api_key``, never ``trusted``.
 
+The agent routes (prepare, ``/v1/agent/*``), the approval routes and the operator routes take a
+JWT only (an API key is 403 ``jwt_required``); ``room`` and ``ai`` claims bind the caller to a room
+and mark it as an agent. ``/v1/agent/execute`` and ``/status`` always answer 200 with exactly the
+closed tool result ``{status, action, error, retryable, guidance[, reason]}`` — the outcome is in
+the result — unless no tool ran at all (credentials, malformed body) or the store failed under it.
+
 Every error leaves as ``{"detail": <closed envelope>}`` (phase ``author`` on authoring routes,
-``execute`` elsewhere) — except ``command_contract_mismatch``, whose body seed 000 fixes to
-exactly ``{"detail": {"error": "command_contract_mismatch"}}``. Validation problems name the
+``stage`` on the agent and approval routes, ``execute`` elsewhere) — except
+``command_contract_mismatch``, whose body seed 000 fixes to exactly
+``{"detail": {"error": "command_contract_mismatch"}}``. Validation problems name the
 field and the kind of problem, never the value sent; anything unexpected is logged and answered
 with the generic 500 envelope, so neither provider nor database text can leak.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Coroutine, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, Final, Literal
@@ -49,8 +69,9 @@ from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ledger.errors import StoreBusy, StoreUnavailable
-from orchestrator import authz
+from orchestrator import authz, ops
 from orchestrator.authz import AuthSettings, Caller
+from orchestrator.commands import Outcome
 from orchestrator.engine import Orchestrator
 from orchestrator.errors import (
     AgentTxnError,
@@ -71,6 +92,13 @@ MAX_BODY_BYTES: Final = 4 * 1_048_576
 MAX_ID_LENGTH: Final = 64
 #: Ids in paths: no NUL, no spaces, no slashes — nothing a database or a log line chokes on.
 ID_PATTERN: Final = r"^[A-Za-z0-9._:-]{1,64}$"
+#: Markers one acknowledge request may name.
+MAX_ACKNOWLEDGE: Final = 200
+#: A requeue age past this (~31 700 years) already means "older than every run" (the cutoff is
+#: clamped to the epoch); finite ages above it are clamped to it, so converting seconds to
+#: milliseconds can never overflow to infinity. Non-finite and negative ages pass through and
+#: are refused by :func:`orchestrator.ops.requeue_callbacks`.
+MAX_REQUEUE_AGE_SECONDS: Final = 1e12
 #: Validation errors reported per response (a fuzzer's body can have thousands).
 MAX_REPORTED_ERRORS: Final = 20
 #: Longest field name echoed in a validation error (extra keys are the client's text).
@@ -82,6 +110,11 @@ EXECUTION_HEADER: Final = "X-Execution-Id"
 
 AUTHORING: Final = "authoring"
 EXECUTION: Final = "execution"
+AGENT: Final = "agent"
+APPROVALS: Final = "approvals"
+OPERATIONS: Final = "operations"
+#: The envelope phase of each route tag (a route's first mapped tag decides; else ``execute``).
+TAG_PHASES: Final = {AUTHORING: "author", AGENT: "stage", APPROVALS: "stage"}
 
 
 # -- response models (documentation of the bodies the service builds) ---------------------------
@@ -185,6 +218,108 @@ class Health(BaseModel):
     status: Literal["ok"]
 
 
+class PreparedAction(BaseModel):
+    """What ``…/prepare`` answers: the proposal for the person, the token for the agent."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    #: What will happen, in the room's language; never ids, digests, keys or the token.
+    proposal: str
+    #: Opaque, 32 hex characters, valid for an hour; the agent sends it back once confirmed.
+    confirmation_token: str
+    #: The command's name.
+    action: str
+    #: When the confirmation expires (ISO-8601 UTC).
+    expires_at: str
+
+
+class ToolResult(BaseModel):
+    """The closed tool result of ``/v1/agent/execute`` and ``/status``: these keys only."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    status: Literal["succeeded", "running", "staged", "failed"]
+    action: str
+    #: A registered code, or null.
+    error: str | None
+    retryable: bool
+    #: A fixed string per code, in the room's language; no provider or database text.
+    guidance: str
+    #: For ``assertion_failed`` only: the author's message, one line, at most 200 characters.
+    reason: str | None = None
+
+
+class Released(BaseModel):
+    """What ``/v1/agent/delivered`` answers: whether a pending marker was released."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    released: bool
+
+
+class DeliveryMarker(BaseModel):
+    """One agent-confirmed execution's delivery marker."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    execution_id: str
+    command_id: str
+    state: str
+    expires_at: str
+    #: Pending and not expired: it still guards the room against a duplicate write.
+    in_window: bool
+    created_at: str
+
+
+class Deliveries(BaseModel):
+    """A room's markers, newest first (the same object ``agent-txn ops deliveries --json``
+    prints)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    markers: list[DeliveryMarker]
+
+
+class AcknowledgedMarker(BaseModel):
+    """What acknowledging one marker did (``would_acknowledge`` is a preview: nothing written)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    execution_id: str
+    result: Literal["not_found", "not_pending", "needs_force", "would_acknowledge", "acknowledged"]
+    state: str | None = None
+    in_window: bool | None = None
+
+
+class Acknowledged(BaseModel):
+    """Per requested marker, in request order."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    markers: list[AcknowledgedMarker]
+
+
+class Pruned(BaseModel):
+    """What a retention prune did: exactly these keys."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    pruned: int
+    retention_days: int
+    #: Records created before this instant (ISO-8601 UTC) were eligible.
+    cutoff: str
+
+
+class Requeued(BaseModel):
+    """Callback runs changed by a requeue, per kind."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    republished: int
+    retried: int
+    reclaimed: int
+
+
 # -- request models -----------------------------------------------------------------------------
 
 
@@ -279,12 +414,94 @@ class QueryCommand(_Body):
     inputs: dict[str, Any]
 
 
+class PrepareCommand(_Body):
+    """``POST …/prepare``: stage the plan for the person to confirm (an agent's first turn)."""
+
+    inputs: dict[str, Any]
+    room_id: IdField | None = Field(
+        default=None, description="The room the agent acts in (a token's `room` claim must match)."
+    )
+    language: Literal["en", "zh-TW"] | None = Field(
+        default=None, description="The proposal's language; default: the member's room language."
+    )
+
+
+class ConfirmedAction(_Body):
+    """``/v1/agent/execute`` and ``/status``.
+
+    The token is checked by the toolbox, not here, so a malformed one is the same
+    ``confirmation_invalid`` tool result as an unknown one (no shape probing)."""
+
+    confirmation_token: str = Field(description="The token `prepare` returned.")
+
+
+class Delivered(_Body):
+    """``/v1/agent/delivered``: name the execution or the token that confirmed it (one of them)."""
+
+    execution_id: IdField | None = None
+    confirmation_token: str | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> Delivered:
+        if (self.execution_id is None) == (self.confirmation_token is None):
+            raise ValueError("give exactly one of execution_id and confirmation_token")
+        return self
+
+
+class DecideChange(_Body):
+    """``…/approve`` and ``…/reject`` (the body may be left out)."""
+
+    reason: str | None = Field(
+        default=None, description="Kept whitespace-collapsed, at most 500 characters."
+    )
+
+
+class Acknowledge(_Body):
+    """``POST /v1/ops/deliveries/acknowledge``: preview by default; ``execute`` releases."""
+
+    room_id: IdField
+    execution_ids: list[IdField] = Field(min_length=1, max_length=MAX_ACKNOWLEDGE)
+    #: Strict booleans: ``"false"`` must not release anything by being truthy or coerced.
+    execute: bool = Field(default=False, strict=True, description="Release (else a preview).")
+    force: bool = Field(default=False, strict=True, description="Also release in-window markers.")
+
+
+class Requeue(_Body):
+    """``POST /v1/ops/callbacks/requeue``.
+
+    The ranges are checked by :func:`orchestrator.ops.requeue_callbacks` (one rule for the CLI
+    and HTTP); they are only declared here, so clients and fuzzers know them."""
+
+    older_than_seconds: float = Field(
+        default=ops.REQUEUE_DEFAULT_OLDER_THAN_SECONDS,
+        strict=True,
+        description="How long a pending or running run must sit untouched to be stale (>= 0).",
+        json_schema_extra={"minimum": 0},
+    )
+    limit: int = Field(
+        default=ops.REQUEUE_DEFAULT_LIMIT,
+        strict=True,
+        description=f"Most runs to change, 1..{ops.REQUEUE_MAX_LIMIT}.",
+        json_schema_extra={"minimum": 1, "maximum": ops.REQUEUE_MAX_LIMIT},
+    )
+
+
 CommandId = Annotated[
     str, Path(min_length=1, max_length=MAX_ID_LENGTH, pattern=ID_PATTERN, description="Command id.")
 ]
 ExecutionId = Annotated[
     str,
     Path(min_length=1, max_length=MAX_ID_LENGTH, pattern=ID_PATTERN, description="Execution id."),
+]
+StagedChangeId = Annotated[
+    str,
+    Path(
+        min_length=1, max_length=MAX_ID_LENGTH, pattern=ID_PATTERN, description="Staged change id."
+    ),
+]
+RoomId = Annotated[
+    str,
+    Query(min_length=1, max_length=MAX_ID_LENGTH, pattern=ID_PATTERN, description="Room id."),
 ]
 Skip = Annotated[int, Query(ge=0, description="Records to skip (newest first).")]
 Limit = Annotated[int, Query(ge=1, le=200, description="Records to return (1-200).")]
@@ -300,7 +517,10 @@ def _responses(*statuses: int, execute: bool = False) -> dict[int | str, dict[st
 
 
 def _phase_of(route: Any) -> str:
-    return "author" if AUTHORING in getattr(route, "tags", ()) else "execute"
+    for tag in getattr(route, "tags", None) or ():
+        if tag in TAG_PHASES:
+            return TAG_PHASES[tag]
+    return "execute"
 
 
 def error_response(exc: AgentTxnError, phase: str) -> JSONResponse:
@@ -320,6 +540,16 @@ def _internal_error(phase: str) -> JSONResponse:
     return JSONResponse(
         {"detail": envelope("command_execution_failed", phase=phase)}, status_code=500
     )
+
+
+def _outcome_response(outcome: Outcome) -> JSONResponse:
+    """An execute-like outcome: its status and body, the replay and execution headers."""
+    headers: dict[str, str] = {}
+    if outcome.replayed:
+        headers[REPLAYED_HEADER] = "true"
+    if outcome.execution_id:
+        headers[EXECUTION_HEADER] = outcome.execution_id
+    return JSONResponse(outcome.body, status_code=outcome.status_code, headers=headers)
 
 
 class _GuardedRoute(APIRoute):
@@ -492,6 +722,32 @@ async def current_caller(
 Who = Annotated[Caller, Depends(current_caller)]
 
 
+async def jwt_caller(who: Who) -> Caller:
+    """A caller holding a JWT: the agent, approval and operator routes act for a person."""
+    authz.require_jwt(who)
+    return who
+
+
+JwtWho = Annotated[Caller, Depends(jwt_caller)]
+
+
+async def current_operator(request: Request, who: JwtWho) -> Caller:
+    """A JWT caller who is an operator (``manage`` on ``agent-txn.ops``, company scope of the
+    tenant); anyone else is the uniform 403."""
+    state: _State = request.app.state.agent_txn
+    tenant = state.orch.commands.tenant
+    async with state.orch.store.read() as conn:
+        principal = await authz.load_principal(
+            conn, who, tenant=tenant, scope_kind="company", scope_id=tenant
+        )
+    if not ops.is_operator(principal):
+        raise PrincipalNotAuthorized()
+    return who
+
+
+Operator = Annotated[Caller, Depends(current_operator)]
+
+
 # -- the app ------------------------------------------------------------------------------------
 
 
@@ -608,12 +864,7 @@ def create_app(orch: Orchestrator, auth: AuthSettings) -> FastAPI:
             idempotency_key=body.idempotency_key,
             expected_contract_digest=body.expected_contract_digest,
         )
-        headers: dict[str, str] = {}
-        if outcome.replayed:
-            headers[REPLAYED_HEADER] = "true"
-        if outcome.execution_id:
-            headers[EXECUTION_HEADER] = outcome.execution_id
-        return JSONResponse(outcome.body, status_code=outcome.status_code, headers=headers)
+        return _outcome_response(outcome)
 
     @app.post(
         "/v1/commands/{command_id}/query",
@@ -649,6 +900,150 @@ def create_app(orch: Orchestrator, auth: AuthSettings) -> FastAPI:
         """One execution record; 404 unless the caller may see it (never 403: no probing)."""
         return JSONResponse(await service.execution(who, command_id, execution_id))
 
+    # -- the agent toolbox (seed 000 "Agent 工具箱") ---------------------------------------------
+
+    agent = orch.agent
+
+    @app.post(
+        "/v1/commands/{command_id}/prepare",
+        tags=[AGENT],
+        response_model=None,
+        responses={200: {"model": PreparedAction}, **_responses(400, 409, *common, 504)},
+    )
+    async def prepare_command(
+        command_id: CommandId, body: PrepareCommand, who: JwtWho
+    ) -> JSONResponse:
+        """Validate and stage the plan as the caller; nothing runs until it is confirmed."""
+        prepared = await agent.prepare(
+            who, command_id, body.inputs, room_id=body.room_id, language=body.language
+        )
+        return JSONResponse(prepared)
+
+    tool_responses: dict[int | str, dict[str, Any]] = {
+        200: {"model": ToolResult, "description": "The tool result (it carries the outcome)."},
+        **_responses(400, 403, 409, 422, 500, 503),
+    }
+
+    @app.post("/v1/agent/execute", tags=[AGENT], response_model=None, responses=tool_responses)
+    async def agent_execute(body: ConfirmedAction, who: JwtWho) -> JSONResponse:
+        """Run the confirmed plan once (only after the person said yes, in a later turn). The
+        same token again, or the same request prepared again, replays while its delivery is
+        pending."""
+        return JSONResponse(await agent.execute_staged_action(who, body.confirmation_token))
+
+    @app.post("/v1/agent/status", tags=[AGENT], response_model=None, responses=tool_responses)
+    async def agent_status(body: ConfirmedAction, who: JwtWho) -> JSONResponse:
+        """The tool result of the plan behind the token as it stands now (no write)."""
+        return JSONResponse(await agent.execution_status(who, body.confirmation_token))
+
+    @app.post(
+        "/v1/agent/delivered",
+        tags=[AGENT],
+        response_model=None,
+        responses={200: {"model": Released}, **_responses(400, 403, 409, 422, 500, 503)},
+    )
+    async def agent_delivered(body: Delivered, who: JwtWho) -> JSONResponse:
+        """The reply crossed the room's visibility boundary: release the delivery marker, so the
+        same request later is a new write. ``released: false`` if nothing was pending."""
+        if body.execution_id is not None:
+            released = await agent.mark_delivered(who, body.execution_id)
+        else:
+            assert body.confirmation_token is not None  # the model allows exactly one
+            released = await agent.mark_delivered_by_token(who, body.confirmation_token)
+        return JSONResponse({"released": released})
+
+    # -- approvals --------------------------------------------------------------------------------
+
+    @app.post(
+        "/v1/staged-changes/{staged_change_id}/approve",
+        tags=[APPROVALS],
+        response_model=None,
+        responses={
+            200: {"model": ExecutionView, "description": "Succeeded."},
+            202: {"model": ExecutionView, "description": "Accepted; workers finish it."},
+            **_responses(400, 409, *common, 504),
+        },
+    )
+    async def approve_staged_change(
+        staged_change_id: StagedChangeId, who: JwtWho, body: DecideChange | None = None
+    ) -> JSONResponse:
+        """Run the frozen plan exactly as staged (the command's digest is checked again)."""
+        reason = body.reason if body is not None else None
+        return _outcome_response(await service.approve(who, staged_change_id, reason=reason))
+
+    @app.post(
+        "/v1/staged-changes/{staged_change_id}/reject",
+        tags=[APPROVALS],
+        response_model=None,
+        responses={200: {"model": ExecutionView}, **_responses(400, 409, *common)},
+    )
+    async def reject_staged_change(
+        staged_change_id: StagedChangeId, who: JwtWho, body: DecideChange | None = None
+    ) -> JSONResponse:
+        """Release the plan without running it: the execution fails ``approval_rejected`` and its
+        idempotency key is free again."""
+        reason = body.reason if body is not None else None
+        view = await service.reject(who, staged_change_id, reason=reason)
+        return JSONResponse(view, headers={EXECUTION_HEADER: str(view["execution_id"])})
+
+    # -- operators ----------------------------------------------------------------------------
+
+    ops_common = (403, 422, 500, 503)
+
+    @app.get(
+        "/v1/ops/deliveries",
+        tags=[OPERATIONS],
+        response_model=None,
+        responses={200: {"model": Deliveries}, **_responses(*ops_common)},
+    )
+    async def list_deliveries(room_id: RoomId, operator: Operator) -> JSONResponse:
+        """A room's delivery markers with state, ``expires_at`` and ``in_window`` (expired ones
+        are flipped first, as every lookup does)."""
+        return JSONResponse({"markers": await agent.deliveries(operator, room_id)})
+
+    @app.post(
+        "/v1/ops/deliveries/acknowledge",
+        tags=[OPERATIONS],
+        response_model=None,
+        responses={200: {"model": Acknowledged}, **_responses(400, 409, *ops_common)},
+    )
+    async def acknowledge_deliveries(body: Acknowledge, operator: Operator) -> JSONResponse:
+        """Release selected markers: a preview unless ``execute``; in-window ones need ``force``
+        (it cancels a live replay guard). Never rolls back a committed write."""
+        markers = await agent.acknowledge(
+            operator, body.room_id, body.execution_ids, execute=body.execute, force=body.force
+        )
+        return JSONResponse({"markers": markers})
+
+    @app.post(
+        "/v1/ops/executions/prune",
+        tags=[OPERATIONS],
+        response_model=None,
+        responses={200: {"model": Pruned}, **_responses(409, *ops_common)},
+    )
+    async def prune_executions(operator: Operator) -> JSONResponse:
+        """Delete succeeded and failed execution records older than 180 days (staged never, the
+        ledger never)."""
+        del operator  # checked by the dependency; the job itself is not per principal
+        return JSONResponse(await ops.prune(orch.store))
+
+    @app.post(
+        "/v1/ops/callbacks/requeue",
+        tags=[OPERATIONS],
+        response_model=None,
+        responses={200: {"model": Requeued}, **_responses(400, 409, *ops_common)},
+    )
+    async def requeue_callbacks(operator: Operator, body: Requeue | None = None) -> JSONResponse:
+        """Republish stale pending, retry eligible failed and reclaim stale running callback runs
+        (``older_than_seconds`` >= 0, ``limit`` 1..2000, checked by the ops module)."""
+        del operator
+        body = body or Requeue()
+        age = body.older_than_seconds
+        if math.isfinite(age):
+            age = min(age, MAX_REQUEUE_AGE_SECONDS)
+        result = await ops.requeue_callbacks(orch.store, older_than_seconds=age, limit=body.limit)
+        return JSONResponse(result)
+
     return app
 
 
@@ -657,6 +1052,8 @@ __all__ = [
     "CommandView",
     "ErrorEnvelope",
     "ExecutionView",
+    "PreparedAction",
+    "ToolResult",
     "create_app",
     "error_response",
 ]

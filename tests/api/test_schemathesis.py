@@ -4,10 +4,13 @@ Besides "no 5xx", every answer must be one the document declares (status code, c
 body schema), so the OpenAPI a client generates its code from tells the truth about errors too.
 
 schemathesis reads ``/openapi.json`` from the ASGI app and generates requests for every
-operation (valid and invalid ones), sent with a valid JWT of a principal who may author and run
-the order command, so generated bodies reach the service and not only the credential check. A
-second pass pins ``command_id`` to a real command, so execute, query and the audit reads are
-fuzzed against a command that exists rather than answering 404 every time.
+operation (valid and invalid ones), sent with a valid JWT of a principal who may author, run and
+approve the order command, acts in a room and is an operator, so generated bodies reach the
+service (the agent toolbox, approvals and the ``/v1/ops`` jobs included) and not only the
+credential check. A second pass pins ``command_id`` to a real command, ``staged_change_id`` to a
+real change waiting for approval and the operator's ``room_id`` to a room holding a delivery
+marker, so execute, prepare, query, the audit reads, approve / reject and the marker routes are
+fuzzed against things that exist rather than answering 404 (or an empty list) every time.
 
 SQLite only: this fuzzes the HTTP layer (request models, path constraints, credentials, error
 mapping), which is the same code on both backends; the storage semantics behind it are pinned
@@ -44,9 +47,10 @@ from schemathesis.specs.openapi.checks import (
 )
 from starlette.types import Receive, Scope, Send
 
-from ledger import principals
+from ledger import action_settings, principals
 from orchestrator.authz import AuthSettings, Caller
 from orchestrator.engine import Orchestrator
+from orchestrator.errors import ApprovalRequired
 from orchestrator.http_api import create_app
 from providers.fake.shop import FakeShop
 from tests.api.conftest import SECRET, TENANT, token
@@ -54,6 +58,23 @@ from tests.support.commands import ORDER_ACTIONS, order_command
 from tests.support.world import fast_settings
 
 AUTHOR = "fuzzer"
+ROOM = "room-1"
+#: A command whose one effect needs an approval (the fuzzer may approve its own: the policy
+#: allows it), so approve and reject are fuzzed against a change that exists. Only effect steps
+#: need approvals: the order command's receipt (an outbox event on the same action) does not.
+NOTICE = {
+    "name": "notice",
+    "inputs": {"to": {"type": "string", "max_length": 64}},
+    "steps": [
+        {
+            "kind": "effect",
+            "name": "mail",
+            "provider": "email",
+            "action": "send",
+            "payload": {"to": {"$ref": "inputs.to"}, "template": "notice"},
+        }
+    ],
+}
 
 
 class FuzzedApp:
@@ -64,6 +85,7 @@ class FuzzedApp:
         self.starts = 0
         self.app: Any = None
         self.command_id = ""
+        self.staged_change_id = ""
         self._closers: list[Any] = []
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -99,11 +121,18 @@ class FuzzedApp:
         )
         self._closers.append(orch)
         async with orch.store.transaction() as work:
+            await action_settings.put(
+                work,
+                "email",
+                "send",
+                requires_approval=True,
+                approval_policy={"separate_approver": False},
+            )
             await principals.add_principal(
                 work, principal_id=AUTHOR, tenant=TENANT, kind="user", name=AUTHOR
             )
             for provider, action in ORDER_ACTIONS:
-                for permission in ("manage", "execute", "read"):
+                for permission in ("manage", "execute", "read", "approve"):
                     await principals.grant(
                         work,
                         principal_id=AUTHOR,
@@ -111,8 +140,25 @@ class FuzzedApp:
                         action=action,
                         permission=permission,
                     )
-        command = await orch.commands.create(Caller(AUTHOR, "user", "jwt"), order_command())
+            await principals.grant(
+                work, principal_id=AUTHOR, provider="agent-txn", action="ops", permission="manage"
+            )
+            await principals.join_room(work, ROOM, AUTHOR)
+        author = Caller(AUTHOR, "user", "jwt")
+        command = await orch.commands.create(author, order_command())
         self.command_id = command["command_id"]
+        # A delivery marker in the room (what the operator routes list and acknowledge) ...
+        agent = Caller(AUTHOR, "user", "jwt", room_id=ROOM, ai=True)
+        inputs = {"order_id": "o-1", "sku": "sku-1", "amount": 5}
+        prepared = await orch.agent.prepare(agent, self.command_id, inputs)
+        await orch.agent.execute_staged_action(agent, prepared["confirmation_token"])
+        # ... and a change waiting for approval.
+        notice = await orch.commands.create(author, NOTICE)
+        try:
+            await orch.commands.execute(author, notice["command_id"], {"to": "a@example.com"})
+        except ApprovalRequired as staged:
+            self.staged_change_id = str(staged.details["staged_change_id"])
+        assert self.staged_change_id
         self.app = create_app(orch, AuthSettings(jwt_secret=SECRET, tenant=TENANT))
 
 
@@ -147,12 +193,14 @@ CHECKS = [
 ]
 
 
-def _fuzz(operation: Any, mode: GenerationMode, pins: dict[str, str]) -> None:
+def _fuzz(
+    operation: Any, mode: GenerationMode, pins: dict[str, str], query: dict[str, str]
+) -> None:
     """Send ``max_examples`` generated requests to one operation; raise on a 5xx or on an
     answer the document does not declare."""
 
     @FUZZ
-    @given(case=operation.as_strategy(mode, path_parameters=pins or None))
+    @given(case=operation.as_strategy(mode, path_parameters=pins or None, query=query or None))
     def run(case: Any) -> None:
         case.call_and_validate(headers={"Authorization": f"Bearer {token(AUTHOR)}"}, checks=CHECKS)
 
@@ -165,18 +213,23 @@ def test_no_request_is_a_server_error(
     api_schema: Any, fuzzed: FuzzedApp, mode: GenerationMode, real_command: bool
 ) -> None:
     operations = [result.ok() for result in api_schema.get_all_operations()]
-    assert len(operations) >= 10  # every route of the API is in the document
+    assert len(operations) >= 20  # every route of the API is in the document
     failures: list[str] = []
     for operation in operations:
         pins: dict[str, str] = {}
+        query: dict[str, str] = {}
         if real_command and "{command_id}" in operation.path:
             if operation.method.upper() == "DELETE":
                 continue  # deleting the one real command would make the rest of the pass 404s
             pins["command_id"] = fuzzed.command_id
-        if mode.is_negative and operation.path == "/healthz":
+        if real_command and "{staged_change_id}" in operation.path:
+            pins["staged_change_id"] = fuzzed.staged_change_id
+        if real_command and operation.path == "/v1/ops/deliveries":
+            query["room_id"] = ROOM
+        if mode.is_negative and operation.path in ("/healthz", "/v1/ops/executions/prune"):
             continue  # no parameters, nothing to make invalid: Hypothesis would be Unsatisfiable
         try:
-            _fuzz(operation, mode, pins)
+            _fuzz(operation, mode, pins, query)
         except Exception as exc:  # collected, so one failing route does not hide the others
             failures.append(f"{operation.method.upper()} {operation.path}: {exc}")
     assert not failures, "\n\n".join(failures)
