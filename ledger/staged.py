@@ -107,6 +107,24 @@ async def action_of(conn: AsyncConnection, execution_id: str) -> StagedActionRow
     return _action(row) if row is not None else None
 
 
+async def expired_actions(
+    conn: AsyncConnection, *, invoker_kind: str, invoker_id: str, now_ms: int, limit: int
+) -> list[StagedActionRow]:
+    """A person's pending staged actions whose confirmation window has passed, oldest first."""
+    stmt = (
+        select(staged_actions)
+        .where(
+            staged_actions.c.invoker_kind == invoker_kind,
+            staged_actions.c.invoker_id == invoker_id,
+            staged_actions.c.state == "pending",
+            staged_actions.c.expires_at <= now_ms,
+        )
+        .order_by(staged_actions.c.expires_at)
+        .limit(limit)
+    )
+    return [_action(r) for r in await conn.execute(stmt)]
+
+
 async def move_action(work: Work, token_sha256: str, *, from_state: str, to_state: str) -> bool:
     """Compare-and-set the action's state; ``False`` if it was no longer ``from_state``."""
     stmt = (

@@ -48,6 +48,7 @@ import structlog
 
 from ledger import commands, executions, principals, reservations, staged
 from ledger.canonical import fingerprint
+from ledger.errors import StorageError, StoreBusy
 from ledger.executions import ExecutionRow
 from ledger.store import Work
 from orchestrator import audit, authz
@@ -60,8 +61,10 @@ from orchestrator.errors import (
     CommandNotFound,
     ConfirmationInvalid,
     ContractMismatch,
+    LockConflict,
     PrincipalNotAuthorized,
     RoomWriteProtected,
+    StoreUnavailableError,
 )
 from orchestrator.guidance import guidance_for, proposal_text
 
@@ -158,6 +161,7 @@ class AgentToolbox:
             await self.svc._check_dependencies(conn, stored)
             lang = language or await _room_language(conn, caller)
         await self._guard_room(caller.room_id)
+        await self._release_expired(caller)
         prepared = await self.svc._prepare(row, stored, principal, caller, inputs, "agent")
         token = secrets.token_hex(16)
         token_hash = _token_hash(token)
@@ -197,11 +201,17 @@ class AgentToolbox:
         lang = "en"
         action_name = ""
         try:
+            authz.require_jwt(caller)
             action, record, row, stored = await self._confirmation(caller, token)
             lang, action_name = action.language, stored.name
+            await self._release_expired(caller)
             return await self._execute(caller, action, record, row, stored, budget_seconds)
         except AgentTxnError as exc:
             return tool_error(exc, action_name, lang)
+        except StoreBusy:
+            return tool_error(LockConflict(), action_name, lang)
+        except StorageError:
+            return tool_error(StoreUnavailableError(), action_name, lang)
 
     async def _confirmation(
         self, caller: Caller, token: str
@@ -261,12 +271,12 @@ class AgentToolbox:
                 # "Yes" said twice: replay the original, never write again.
                 await self._release(action, record, "staged_released")
                 return await self._status_of(previous.execution_id, stored.name, action.language)
-            if previous is not None and previous.status in ("running", "manual_review"):
+            if previous is not None and previous.status in ("running", "manual_review", "staged"):
                 await self._release(action, record, "staged_released")
                 return await self._status_of(previous.execution_id, stored.name, action.language)
             takeover = held.execution_id
         if await self.svc._approvals_needed(stored):
-            return await self._to_approval(caller, action, record, stored)
+            return await self._to_approval(caller, action, record, row, stored, key, takeover)
         ttl_ms = int(stored.ttl_seconds) * 1000
 
         async def confirm(work: Work) -> None:
@@ -299,16 +309,25 @@ class AgentToolbox:
         caller: Caller,
         action: staged.StagedActionRow,
         record: ExecutionRow,
+        row: Any,
         stored: StoredCommand,
+        key: str,
+        takeover: str | None,
     ) -> dict[str, Any]:
-        """A confirmed plan that needs an approver: it stays staged, now as a staged change."""
+        """A confirmed plan that needs an approver: it stays staged, now as a staged change.
+
+        It holds the agent key and a pending marker like any confirmed call, so a repeated
+        "yes" replays this staged answer instead of staging (and later charging) twice."""
         staged_change_id = secrets.token_hex(16)
+        ttl_ms = int(stored.ttl_seconds) * 1000
 
         async def hand_over(work: Work) -> None:
+            await self.svc._lock_command(work, row)
             if not await staged.move_action(
                 work, action.token_sha256, from_state="pending", to_state="executed"
             ):
                 raise ConfirmationInvalid()
+            await self.svc._reserve(work, row, caller, key, takeover, record.execution_id)
             await staged.insert_change(
                 work,
                 staged_change_id=staged_change_id,
@@ -318,12 +337,46 @@ class AgentToolbox:
                 requested_by=caller.principal_id,
             )
             await executions.finish(
-                work, record.execution_id, status="staged", staged_change_id=staged_change_id
+                work,
+                record.execution_id,
+                status="staged",
+                staged_change_id=staged_change_id,
+                idempotency_key=key,
+                lifecycle_snapshot={
+                    MARKER: {"state": "pending", "expires_at": work.now_ms + ttl_ms}
+                },
             )
+            fresh = await executions.get(work.conn, record.execution_id)
+            assert fresh is not None
+            await audit.enqueue_callbacks(work, fresh, "staged")
 
-        async with self._store.transaction() as work:
-            await hand_over(work)
+        await self.svc._with_lock_retries(lambda: self._in_transaction(hand_over))
         return tool_result("staged", stored.name, "approval_required", action.language)
+
+    async def _release_expired(self, caller: Caller) -> None:
+        """Retire this person's unconfirmed plans whose confirmation expired (lazily, a few at a
+        time), so staged plans nobody confirmed do not pile up forever."""
+        async with self.svc._read() as conn:
+            expired = await staged.expired_actions(
+                conn,
+                invoker_kind=caller.kind,
+                invoker_id=caller.principal_id,
+                now_ms=self._store.now_ms(),
+                limit=20,
+            )
+            records = [await executions.get(conn, a.execution_id) for a in expired]
+        for action, record in zip(expired, records, strict=True):
+            if record is not None and record.status == "staged":
+                await self._release(action, record, "staged_released")
+
+    async def _in_transaction(self, job: Any) -> None:
+        try:
+            async with self._store.transaction() as work:
+                await job(work)
+        except StoreBusy as exc:
+            raise LockConflict() from exc
+        except StorageError as exc:
+            raise StoreUnavailableError() from exc
 
     async def _release(
         self, action: staged.StagedActionRow, record: ExecutionRow, code: str
@@ -347,6 +400,7 @@ class AgentToolbox:
     async def execution_status(self, caller: Caller, token: str) -> dict[str, Any]:
         """The tool result of the execution behind ``token`` as it stands now (no write)."""
         try:
+            authz.require_jwt(caller)
             action, record, _row, stored = await self._confirmation(caller, token)
         except AgentTxnError as exc:
             return tool_error(exc, "", "en")
@@ -373,6 +427,7 @@ class AgentToolbox:
     async def mark_delivered(self, caller: Caller, execution_id: str) -> bool:
         """The reply crossed the room's visibility boundary: release the marker (and its key, so
         a later identical request is a new write). ``False`` if nothing was pending."""
+        authz.require_jwt(caller)
         async with self._store.transaction() as work:
             record = await executions.get_for_update(work, execution_id)
             if record is None or (record.invoker_kind, record.invoker_id) != (
@@ -384,6 +439,7 @@ class AgentToolbox:
 
     async def mark_delivered_by_token(self, caller: Caller, token: str) -> bool:
         """:meth:`mark_delivered` for runtimes that only kept the confirmation token."""
+        authz.require_jwt(caller)
         try:
             _action, record, _row, _stored = await self._confirmation(caller, token)
         except AgentTxnError:

@@ -111,7 +111,7 @@ async def requeue_callbacks(
         raise RequestInvalid(details={"errors": problems})
     async with store.transaction() as work:
         return await callbacks.requeue(
-            work, older_than_ms=int(older_than_seconds * 1000), limit=limit
+            work, older_than_ms=int(min(older_than_seconds, 1e12) * 1000), limit=limit
         )
 
 

@@ -338,3 +338,54 @@ def await_cli(runner: Any, app: Any, args: list[str]) -> str:
         result = pool.submit(runner.invoke, app, args).result()
     assert result.exit_code == 0, result.output
     return str(result.stdout)
+
+
+async def test_a_repeated_yes_on_an_approval_gated_command_stages_once(world: World) -> None:
+    from ledger import action_settings
+
+    async with world.orch.store.transaction() as work:
+        await action_settings.put(
+            work, "payments", "charge", requires_approval=True, approval_policy=None
+        )
+    alice, info = await _setup(world)
+    approver = await add_user(world.orch, "approver", permissions=("approve", "read"))
+    agent = world.orch.agent
+    results = []
+    for _ in range(2):  # "yes", and "yes" again because nothing seemed to happen
+        token = (await agent.prepare(alice, info["command_id"], ORDER))["confirmation_token"]
+        results.append(await agent.execute_staged_action(alice, token))
+    assert [r["error"] for r in results] == ["approval_required", "approval_required"]
+    staged_rows = [
+        e
+        for e in await world.orch.commands.executions(alice, info["command_id"])
+        if e.get("staged_change_id")
+    ]
+    assert len(staged_rows) == 1
+    outcome = await world.orch.commands.approve(approver, staged_rows[0]["staged_change_id"])
+    assert outcome.status_code == 200
+    assert await _charges(world) == 1
+
+
+async def test_api_key_callers_cannot_confirm_or_release(world: World) -> None:
+    alice, info = await _setup(world)
+    token = (await world.orch.agent.prepare(alice, info["command_id"], ORDER))["confirmation_token"]
+    keyed = Caller(principal_id="alice", kind="user", auth="api_key", room_id="room-1")
+    result = await world.orch.agent.execute_staged_action(keyed, token)
+    assert result["error"] == "jwt_required"
+    with pytest.raises(errors.JwtRequired):
+        await world.orch.agent.mark_delivered_by_token(keyed, token)
+    assert await _charges(world) == 0
+
+
+async def test_unconfirmed_plans_are_released_once_their_confirmation_expires(
+    world: World,
+) -> None:
+    alice, info = await _setup(world)
+    agent = world.orch.agent
+    token = (await agent.prepare(alice, info["command_id"], ORDER))["confirmation_token"]
+    world.orch.store.advance_clock(3601)
+    await agent.prepare(alice, info["command_id"], {**ORDER, "amount": 5})
+    old = (await world.orch.commands.executions(alice, info["command_id"]))[-1]
+    assert old["status"] == "failed" and old["error_code"] == "staged_released"
+    assert (await agent.execute_staged_action(alice, token))["error"] == "confirmation_invalid"
+    assert (await world.shop.counts())["inventory.reserve"] == 0
