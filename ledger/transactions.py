@@ -231,9 +231,7 @@ async def claim_staged(
     return TxClaim(tx_id=tx_id, fence=fence, status=TxState.EXECUTING, owner=owner)
 
 
-async def release_staged(
-    work: Work, chain: Chain, tx_id: str, *, error: Mapping[str, Any]
-) -> bool:
+async def release_staged(work: Work, chain: Chain, tx_id: str, *, error: Mapping[str, Any]) -> bool:
     """``staged → failed``: the plan was rejected or released; nothing was ever sent."""
     check_tx_transition(TxState.STAGED, TxState.FAILED)
     stmt = (

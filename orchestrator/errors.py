@@ -521,9 +521,7 @@ class LimitExceeded(AgentTxnError):
 
     def __init__(self, kind: str, *, limit: int, actual: int, resource: str | None = None) -> None:
         self.code = f"{kind}_limit_exceeded"  # type: ignore[misc]
-        super().__init__(
-            details={"resource": resource or kind, "limit": limit, "actual": actual}
-        )
+        super().__init__(details={"resource": resource or kind, "limit": limit, "actual": actual})
 
 
 class DefinitionLimitExceeded(AgentTxnError):
