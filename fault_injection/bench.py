@@ -144,6 +144,8 @@ class BenchResult:
     prepare_s: float | None = None
     #: Mode-specific figures (``per_worker``, ``statuses``, ...), under their own keys.
     extra: dict[str, Any] = field(default_factory=dict)
+    #: SQLite's ``synchronous`` for the engine and the driver loop (``None`` on PostgreSQL).
+    sqlite_synchronous: str | None = None
 
     def as_json(self) -> dict[str, Any]:
         """The report under stable keys (``--json``)."""
@@ -476,6 +478,7 @@ async def _run_on(config: BenchConfig, urls: DatabasePair) -> BenchResult:
         elapsed_s=elapsed,
         check=check,
         mode="sequential" if config.concurrency == 1 else "concurrent",
+        sqlite_synchronous=config.sqlite_synchronous if urls.backend == "sqlite" else None,
     )
 
 

@@ -133,7 +133,9 @@ async def _worker_main(args: argparse.Namespace) -> WorkerCounts | None:
                 stack.push_async_callback(client.aclose)
             providers = list(clients)
         wrapped = [InstrumentedProvider(p, args.latency_ms / 1000, calls) for p in providers]
-        settings = EngineSettings(worker_id=args.worker_id)
+        settings = EngineSettings(
+            worker_id=args.worker_id, sqlite_synchronous=args.sqlite_synchronous
+        )
         orch = await Orchestrator.open(args.db, providers=wrapped, settings=settings)
         stack.push_async_callback(orch.close)
         saga = order_saga()
@@ -211,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--poll-seconds", type=float, default=WORKER_POLL_SECONDS)
     w.add_argument("--warmup", type=int, default=0)
     w.add_argument("--latency-ms", type=float, default=0.0)
+    w.add_argument("--sqlite-synchronous", default="FULL")
     w.add_argument("--stats", required=True)
     s = sub.add_parser("shop", help="serve the fake shop over HTTP")
     s.add_argument("--provider-url", required=True)
@@ -270,6 +273,7 @@ async def _run_workers(config: BenchConfig, urls: DatabasePair, workdir: Path) -
         common += ["--provider-url", urls.provider, "--base-url", shop.base_url or ""]
         common += ["--concurrency", str(config.concurrency), "--warmup", str(config.warmup)]
         common += ["--latency-ms", str(config.latency_ms)]
+        common += ["--sqlite-synchronous", config.sqlite_synchronous]
         stats_paths = [workdir / f"worker-{i}.json" for i in range(w)]
         procs = [
             await _start_worker([*common, "--worker-id", f"bench-w{i}"], stats_paths[i])
@@ -364,6 +368,7 @@ async def _run_workers(config: BenchConfig, urls: DatabasePair, workdir: Path) -
         check=check,
         mode="workers",
         workers=w,
+        sqlite_synchronous=config.sqlite_synchronous if urls.backend == "sqlite" else None,
         prepare_s=prepare_s,
         extra={
             "prepare_sagas_per_s": n / prepare_s if prepare_s else 0.0,
@@ -513,6 +518,7 @@ async def run_recovery_bench(config: BenchConfig, urls: DatabasePair) -> BenchRe
         check=check,
         mode="recovery",
         workers=config.workers,
+        sqlite_synchronous=config.sqlite_synchronous if urls.backend == "sqlite" else None,
         extra={
             "seconds_to_settle": report.seconds_to_settle,
             "statuses": report.statuses,
