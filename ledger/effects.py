@@ -247,12 +247,15 @@ async def insert(
         if kind is EffectKind.COMPENSATION:
             row["forward_op_key"] = e.forward_op_key
         rows.append(row)
-    if len(rows) == 1 or claim_first is None:
-        await work.conn.execute(table.insert().values(rows))
-    else:
-        # Multi-VALUES with a SQL expression in some rows only: write the claimed row apart.
-        await work.conn.execute(table.insert().values(rows[:1]))
-        await work.conn.execute(table.insert().values(rows[1:]))
+    # A claimed first row carries SQL expressions (the database clock): one single-row INSERT.
+    # The plain rows go as one executemany of a fixed statement, which SQLAlchemy compiles once
+    # and caches (a multi-VALUES ``insert().values([...])`` is recompiled for every saga).
+    plain = rows
+    if claim_first is not None:
+        await work.conn.execute(table.insert().values(rows[0]))
+        plain = rows[1:]
+    if plain:
+        await work.conn.execute(table.insert(), plain)
     for e in new:
         work.log(
             chain,
