@@ -289,13 +289,17 @@ async def test_lookup_unavailable_keeps_the_charge_in_doubt_until_answered(
     counts = await w.shop.counts()
     assert (counts["payments.charge"], counts["email.send"]) == (1, 1)
     op = next(o for o in (await w.orch.get(result.tx_id)).operations if o.name == "charge")
-    assert op.lookups == 3
-    assert [(c.call, c.outcome) for c in await w.shop.calls(key=op.key)] == [
+    calls = [(c.call, c.outcome) for c in await w.shop.calls(key=op.key)]
+    # The charge is never re-sent: after the lost response only lookups reach the shop, the
+    # first two refused. On a loaded machine a "found" answer can miss the 1 s client deadline
+    # and be asked again, so the shop's log (not a fixed count) says how many lookups there were.
+    assert calls[:3] == [
         ("apply", "lost_response"),
         ("lookup", "unavailable"),
         ("lookup", "unavailable"),
-        ("lookup", "found"),
     ]
+    assert calls[3:] and set(calls[3:]) == {("lookup", "found")}
+    assert op.lookups == len(calls) - 1
 
 
 async def test_stale_worker_is_fenced_by_the_provider_with_412(http_world: HttpWorld) -> None:
