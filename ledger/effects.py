@@ -20,9 +20,12 @@ from enum import StrEnum
 from typing import Any
 
 from sqlalchemy import (
+    BigInteger,
     ColumnElement,
+    String,
     Table,
     and_,
+    bindparam,
     case,
     exists,
     func,
@@ -33,6 +36,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.engine import Row
 from sqlalchemy.ext.asyncio import AsyncConnection
+from sqlalchemy.sql.dml import Insert, ReturningUpdate, Update
 
 from ledger.errors import LeaseLost
 from ledger.schema import Json, compensation_steps, operations, outbox, transactions
@@ -200,6 +204,96 @@ def _claim_from_row(kind: EffectKind, row: Row[Any], owner: str, lease_ms: int) 
     )
 
 
+def _insert_claimed(now: ColumnElement[int], kind: EffectKind) -> Insert:
+    """The plan's first effect, inserted already claimed (its lease on the database clock)."""
+    return (
+        _TABLES[kind]
+        .insert()
+        .values(lease_until=now + bindparam("p_lease_ms", type_=BigInteger), first_attempt_at=now)
+    )
+
+
+def _claim_statement(
+    kind: EffectKind,
+    now: ColumnElement[int],
+    *,
+    with_payload: bool,
+    due_only: bool,
+    tx_fenced: bool,
+) -> ReturningUpdate[Any]:
+    table = _TABLES[kind]
+    values: dict[str, Any] = {
+        "state": EffectState.EXECUTING.value,
+        "claimed_from": table.c.state,
+        "fence": table.c.fence + 1,
+        "lease_owner": bindparam("p_owner"),
+        "lease_until": now + bindparam("p_lease_ms", type_=BigInteger),
+        "attempts": table.c.attempts + 1,
+        "first_attempt_at": case(
+            (table.c.first_attempt_at.is_(None), now), else_=table.c.first_attempt_at
+        ),
+        "updated_at": bindparam("p_updated_at", type_=BigInteger),
+    }
+    if with_payload:
+        values["payload"] = case(
+            (table.c.payload_sha256.is_(None), bindparam("p_payload", type_=Json)),
+            else_=table.c.payload,
+        )
+        values["payload_sha256"] = case(
+            (table.c.payload_sha256.is_(None), bindparam("p_payload_sha256", type_=String)),
+            else_=table.c.payload_sha256,
+        )
+    conditions = [
+        _key(kind) == bindparam("p_key"),
+        table.c.state.in_([s.value for s in CLAIMABLE]),
+        or_(table.c.state != EffectState.EXECUTING.value, table.c.lease_until <= now),
+    ]
+    if due_only:
+        conditions.append(or_(table.c.next_attempt_at.is_(None), table.c.next_attempt_at <= now))
+    if tx_fenced:
+        conditions.append(
+            exists().where(
+                transactions.c.tx_id == table.c.tx_id,
+                transactions.c.fence == bindparam("p_tx_fence", type_=BigInteger),
+            )
+        )
+    return update(table).where(and_(*conditions)).values(values).returning(*table.c)
+
+
+def _record_statement(
+    kind: EffectKind,
+    now: ColumnElement[int],
+    retry: bool,
+    with_remote_id: bool,
+    with_result: bool,
+    with_error: bool,
+) -> Update:
+    table = _TABLES[kind]
+    values: dict[str, Any] = {
+        "state": bindparam("p_state"),
+        "lease_owner": None,
+        "lease_until": None,
+        "lookups": table.c.lookups + bindparam("p_lookups", type_=BigInteger),
+        "next_attempt_at": (now + bindparam("p_retry_in_ms", type_=BigInteger) if retry else None),
+        "updated_at": bindparam("p_updated_at", type_=BigInteger),
+    }
+    if with_remote_id:
+        values["remote_id"] = bindparam("p_remote_id", type_=String)
+    if with_result:
+        values["result"] = bindparam("p_result", type_=Json)
+    if with_error:
+        values["last_error"] = bindparam("p_error", type_=String)
+    return (
+        update(table)
+        .where(
+            _key(kind) == bindparam("p_key"),
+            table.c.fence == bindparam("p_fence", type_=BigInteger),
+            table.c.state == EffectState.EXECUTING.value,
+        )
+        .values(values)
+    )
+
+
 async def insert(
     work: Work,
     chain: Chain,
@@ -217,7 +311,6 @@ async def insert(
     if not new:
         return None
     table = _TABLES[kind]
-    now = work.db_now
     rows: list[dict[str, Any]] = []
     for index, e in enumerate(new):
         claimed = claim_first is not None and index == 0
@@ -233,11 +326,9 @@ async def insert(
             "state": (EffectState.EXECUTING if claimed else EffectState.PENDING).value,
             "claimed_from": EffectState.PENDING.value if claimed else None,
             "lease_owner": claim_first[0] if claimed and claim_first else None,
-            "lease_until": (now + literal(claim_first[1])) if claimed and claim_first else None,
             "fence": 1 if claimed else 0,
             "attempts": 1 if claimed else 0,
             "lookups": 0,
-            "first_attempt_at": now if claimed else None,
             "next_attempt_at": None,
             "remote_id": None,
             "result": None,
@@ -246,13 +337,20 @@ async def insert(
         }
         if kind is EffectKind.COMPENSATION:
             row["forward_op_key"] = e.forward_op_key
+        if not claimed:
+            row["lease_until"] = None
+            row["first_attempt_at"] = None
         rows.append(row)
-    # A claimed first row carries SQL expressions (the database clock): one single-row INSERT.
-    # The plain rows go as one executemany of a fixed statement, which SQLAlchemy compiles once
-    # and caches (a multi-VALUES ``insert().values([...])`` is recompiled for every saga).
+    # A claimed first row's lease is judged by the database clock: one single-row INSERT whose
+    # clock expressions are part of a statement built once. The plain rows go as one executemany
+    # of a fixed statement (a multi-VALUES ``insert().values([...])`` is recompiled every saga).
     plain = rows
     if claim_first is not None:
-        await work.conn.execute(table.insert().values(rows[0]))
+        first_row = {**rows[0], "p_lease_ms": claim_first[1]}
+        stmt = work.statement(
+            ("effects.insert_claimed", kind), lambda now: _insert_claimed(now, kind)
+        )
+        await work.conn.execute(stmt, first_row)
         plain = rows[1:]
     if plain:
         await work.conn.execute(table.insert(), plain)
@@ -315,41 +413,25 @@ async def claim(
     A payload given here is stored only if the row has none yet: the first rendering is frozen,
     and the caller compares the returned ``payload_sha256`` with its own before any apply.
     """
-    table = _TABLES[kind]
-    now = work.db_now
-    values: dict[str, Any] = {
-        "state": EffectState.EXECUTING.value,
-        "claimed_from": table.c.state,
-        "fence": table.c.fence + 1,
-        "lease_owner": owner,
-        "lease_until": now + literal(lease_ms),
-        "attempts": table.c.attempts + 1,
-        "first_attempt_at": case(
-            (table.c.first_attempt_at.is_(None), now), else_=table.c.first_attempt_at
+    with_payload = payload_sha256 is not None
+    stmt = work.statement(
+        ("effects.claim", kind, with_payload, due_only, tx_fence is not None),
+        lambda now: _claim_statement(
+            kind, now, with_payload=with_payload, due_only=due_only, tx_fenced=tx_fence is not None
         ),
-        "updated_at": work.now_ms,
+    )
+    params: dict[str, Any] = {
+        "p_key": key,
+        "p_owner": owner,
+        "p_lease_ms": lease_ms,
+        "p_updated_at": work.now_ms,
     }
-    if payload_sha256 is not None:
-        values["payload"] = case(
-            (table.c.payload_sha256.is_(None), literal(payload, Json)), else_=table.c.payload
-        )
-        values["payload_sha256"] = case(
-            (table.c.payload_sha256.is_(None), literal(payload_sha256)),
-            else_=table.c.payload_sha256,
-        )
-    conditions = [
-        _key(kind) == key,
-        table.c.state.in_([s.value for s in CLAIMABLE]),
-        or_(table.c.state != EffectState.EXECUTING.value, table.c.lease_until <= now),
-    ]
-    if due_only:
-        conditions.append(or_(table.c.next_attempt_at.is_(None), table.c.next_attempt_at <= now))
+    if with_payload:
+        params["p_payload"] = payload
+        params["p_payload_sha256"] = payload_sha256
     if tx_fence is not None:
-        conditions.append(
-            exists().where(transactions.c.tx_id == table.c.tx_id, transactions.c.fence == tx_fence)
-        )
-    stmt = update(table).where(and_(*conditions)).values(values).returning(*table.c)
-    row = (await work.conn.execute(stmt)).first()
+        params["p_tx_fence"] = tx_fence
+    row = (await work.conn.execute(stmt, params)).first()
     if row is None:
         return None
     result = _claim_from_row(kind, row, owner, lease_ms)
@@ -380,32 +462,32 @@ async def record(
 ) -> None:
     """Fenced write of the holder's outcome; raises :class:`LeaseLost` if the fence is stale."""
     check_effect_transition(EffectState.EXECUTING, to_state)
-    table = _TABLES[claim_.kind]
-    now = work.db_now
-    values: dict[str, Any] = {
-        "state": to_state.value,
-        "lease_owner": None,
-        "lease_until": None,
-        "lookups": table.c.lookups + lookups,
-        "next_attempt_at": (now + literal(retry_in_ms)) if retry_in_ms is not None else None,
-        "updated_at": work.now_ms,
+    params: dict[str, Any] = {
+        "p_key": claim_.key,
+        "p_fence": claim_.fence,
+        "p_state": to_state.value,
+        "p_lookups": lookups,
+        "p_updated_at": work.now_ms,
     }
+    if retry_in_ms is not None:
+        params["p_retry_in_ms"] = retry_in_ms
     if remote_id is not None:
-        values["remote_id"] = remote_id
+        params["p_remote_id"] = remote_id
     if result is not None:
-        values["result"] = result
+        params["p_result"] = result
     if error is not None:
-        values["last_error"] = error[:1000]
-    stmt = (
-        update(table)
-        .where(
-            _key(claim_.kind) == claim_.key,
-            table.c.fence == claim_.fence,
-            table.c.state == EffectState.EXECUTING.value,
-        )
-        .values(values)
+        params["p_error"] = error[:1000]
+    shape = (
+        retry_in_ms is not None,
+        remote_id is not None,
+        result is not None,
+        error is not None,
     )
-    if (await work.conn.execute(stmt)).rowcount != 1:
+    stmt = work.statement(
+        ("effects.record", claim_.kind, shape),
+        lambda now: _record_statement(claim_.kind, now, *shape),
+    )
+    if (await work.conn.execute(stmt, params)).rowcount != 1:
         raise LeaseLost(f"{claim_.kind.value} {claim_.key}", claim_.fence)
     log_detail: dict[str, Any] = {"fence": claim_.fence, **(detail or {})}
     if remote_id is not None:

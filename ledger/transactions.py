@@ -12,13 +12,24 @@ from dataclasses import dataclass, replace
 from itertools import pairwise
 from typing import Any
 
-from sqlalchemy import ColumnElement, and_, func, literal, or_, select, update
+from sqlalchemy import (
+    BigInteger,
+    ColumnElement,
+    and_,
+    bindparam,
+    func,
+    literal,
+    or_,
+    select,
+    update,
+)
 from sqlalchemy.engine import Row
 from sqlalchemy.ext.asyncio import AsyncConnection
+from sqlalchemy.sql.dml import Insert, Update
 
 from ledger import dialects, events
 from ledger.errors import LeaseLost
-from ledger.schema import transactions
+from ledger.schema import Json, transactions
 from ledger.states import TX_TERMINAL, TxState, check_tx_transition
 from ledger.store import Chain, Work
 
@@ -88,6 +99,40 @@ def _record(row: Row[Any]) -> TxRecord:
     )
 
 
+def _insert_leased(now: ColumnElement[int]) -> Insert:
+    """A new transaction leased to its creator (the lease on the database clock)."""
+    return transactions.insert().values(lease_until=now + bindparam("p_lease_ms", type_=BigInteger))
+
+
+def _transition_statement(
+    now: ColumnElement[int], error_change: int, drop_lease: bool, schedule: int
+) -> Update:
+    values: dict[str, Any] = {
+        "status": bindparam("p_status"),
+        "updated_at": bindparam("p_updated_at", type_=BigInteger),
+    }
+    if error_change == 1:
+        values["error"] = bindparam("p_error", type_=Json)
+    elif error_change == 2:
+        values["error"] = None
+    if drop_lease:
+        values["lease_owner"] = None
+        values["lease_until"] = None
+    if schedule == 1:
+        values["next_attempt_at"] = now + bindparam("p_retry_in_ms", type_=BigInteger)
+    elif schedule == 2:
+        values["next_attempt_at"] = None
+    return (
+        update(transactions)
+        .where(
+            transactions.c.tx_id == bindparam("p_tx_id"),
+            transactions.c.fence == bindparam("p_fence", type_=BigInteger),
+            transactions.c.status == bindparam("p_from"),
+        )
+        .values(values)
+    )
+
+
 async def insert(
     work: Work,
     chain: Chain,
@@ -124,25 +169,27 @@ async def insert(
     status = TxState.EXECUTING if start else TxState.PREPARED
     if start:
         check_tx_transition(TxState.PREPARED, TxState.EXECUTING)
+    stmt = work.statement("transactions.insert_leased", _insert_leased)
     await work.conn.execute(
-        transactions.insert().values(
-            tx_id=tx_id,
-            definition_digest=definition_digest,
-            saga_name=saga_name,
-            business_key=business_key,
-            inputs=dict(inputs),
-            status=status.value,
-            lease_owner=owner,
-            lease_until=work.db_now + literal(lease_ms),
-            fence=1,
-            attempts=1,
-            next_attempt_at=None,
-            error=None,
-            execution_id=execution_id,
-            context=dict(context) if context is not None else None,
-            created_at=work.now_ms,
-            updated_at=work.now_ms,
-        )
+        stmt,
+        {
+            "tx_id": tx_id,
+            "definition_digest": definition_digest,
+            "saga_name": saga_name,
+            "business_key": business_key,
+            "inputs": dict(inputs),
+            "status": status.value,
+            "lease_owner": owner,
+            "p_lease_ms": lease_ms,
+            "fence": 1,
+            "attempts": 1,
+            "next_attempt_at": None,
+            "error": None,
+            "execution_id": execution_id,
+            "context": dict(context) if context is not None else None,
+            "created_at": work.now_ms,
+            "updated_at": work.now_ms,
+        },
     )
     work.log(
         chain,
@@ -316,28 +363,27 @@ async def transition(
     path = [txc.status, *via, to_state]
     for a, b in pairwise(path):
         check_tx_transition(a, b)
-    values: dict[str, Any] = {"status": to_state.value, "updated_at": work.now_ms}
+    params: dict[str, Any] = {
+        "p_tx_id": txc.tx_id,
+        "p_fence": txc.fence,
+        "p_from": txc.status.value,
+        "p_status": to_state.value,
+        "p_updated_at": work.now_ms,
+    }
+    # error: set (1), cleared (2) or left alone (0)
+    error_change = 1 if error is not None else 2 if clear_error else 0
     if error is not None:
-        values["error"] = dict(error)
-    elif clear_error:
-        values["error"] = None
-    if release or to_state in TX_TERMINAL:
-        values["lease_owner"] = None
-        values["lease_until"] = None
+        params["p_error"] = dict(error)
+    drop_lease = release or to_state in TX_TERMINAL
+    # next attempt: scheduled (1), cleared (2) or left alone (0)
+    schedule = 1 if retry_in_ms is not None else 2 if to_state in TX_TERMINAL else 0
     if retry_in_ms is not None:
-        values["next_attempt_at"] = work.db_now + literal(retry_in_ms)
-    elif to_state in TX_TERMINAL:
-        values["next_attempt_at"] = None
-    stmt = (
-        update(transactions)
-        .where(
-            transactions.c.tx_id == txc.tx_id,
-            transactions.c.fence == txc.fence,
-            transactions.c.status == txc.status.value,
-        )
-        .values(values)
+        params["p_retry_in_ms"] = retry_in_ms
+    stmt = work.statement(
+        ("transactions.transition", error_change, drop_lease, schedule),
+        lambda now: _transition_statement(now, error_change, drop_lease, schedule),
     )
-    if (await work.conn.execute(stmt)).rowcount != 1:
+    if (await work.conn.execute(stmt, params)).rowcount != 1:
         raise LeaseLost(f"transaction {txc.tx_id}", txc.fence)
     for index, (a, b) in enumerate(pairwise(path)):
         last = index == len(path) - 2

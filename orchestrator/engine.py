@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import time
 import uuid
+import weakref
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Self
@@ -122,6 +123,7 @@ class Orchestrator:
         )
         self._by_name: dict[str, SagaDefinition] = {}
         self._by_digest: dict[str, SagaDefinition] = {}
+        self._by_saga: dict[int, tuple[weakref.ref[Saga], SagaDefinition]] = {}
         self._stored: set[str] = set()
         self._commands: CommandService | None = None
         self._agent: AgentToolbox | None = None
@@ -522,12 +524,28 @@ class Orchestrator:
 
     async def _resolve(self, saga: Saga | str | SagaDefinition) -> SagaDefinition:
         if isinstance(saga, SagaDefinition):
+            if self._by_digest.get(saga.digest) is saga:
+                return saga  # parsed and registered by this engine: nothing to re-check
             return await self.register(saga.data)
         if isinstance(saga, Saga):
-            return await self.register(saga)
+            # Normalizing and digesting a Saga costs more than the rest of ``execute`` before
+            # its first commit (the bench's profile); a Saga is frozen, so it is done once per
+            # object. The weak reference keeps the cache from outliving the caller's sagas.
+            entry = self._by_saga.get(id(saga))
+            if entry is not None and entry[0]() is saga:
+                self._by_name[entry[1].name] = entry[1]  # as register() does
+                return entry[1]
+            definition = await self.register(saga)
+            self._by_saga[id(saga)] = (weakref.ref(saga, self._forget_saga), definition)
+            return definition
         if not isinstance(saga, str) or saga not in self._by_name:
             raise DefinitionInvalid(details={"reason": f"no saga named {saga!r} is registered"})
         return self._by_name[saga]
+
+    def _forget_saga(self, ref: weakref.ref[Saga]) -> None:
+        for key, (known, _definition) in list(self._by_saga.items()):
+            if known is ref:
+                del self._by_saga[key]
 
     def _business_key(self, definition: SagaDefinition, inputs: Mapping[str, Any]) -> str | None:
         template = definition.data.get("business_key")

@@ -368,11 +368,16 @@ class SagaDefinition:
             raise _invalid("the definition is not plain JSON") from exc
         return cls(data=data, digest=fingerprint(data))
 
+    @functools.cached_property
+    def _input_model(self) -> Any:
+        # Per definition object: the schema's canonical text, the cache's key, costs a walk.
+        return _cached_input_model(self.name, canonical_json(self.data["inputs"]))
+
     def validate_inputs(self, inputs: Any) -> dict[str, Any]:
         """Inputs checked against the typed schema (strict: ``"42"`` is not an integer)."""
         if not isinstance(inputs, Mapping):
             raise InputInvalid(details={"errors": [{"field": "", "problem": "must be an object"}]})
-        model = _cached_input_model(self.name, canonical_json(self.data["inputs"]))
+        model = self._input_model
         try:
             validated = model.model_validate(dict(inputs))
         except ValidationError as exc:
