@@ -26,6 +26,7 @@ from sqlalchemy.sql import Select
 from sqlalchemy.sql.dml import Insert
 from sqlalchemy.sql.elements import ColumnElement
 
+from ledger import sqlite_inline
 from ledger.errors import DuplicateKey, StorageError, StoreBusy, StoreUnavailable
 
 Dialect = Literal["sqlite", "postgresql"]
@@ -92,7 +93,19 @@ def _sqlite_engine(url: str, synchronous: str, busy_timeout_ms: int) -> AsyncEng
         raise ValueError(
             f"sqlite synchronous must be OFF, NORMAL, FULL or EXTRA, not {synchronous!r}"
         )
-    engine = create_async_engine(url, connect_args={"timeout": busy_timeout_ms / 1000})
+    parsed = make_url(url)
+    database = parsed.database or ""
+    if database and database != ":memory:" and not parsed.query:
+        # A plain file: statements run on the event loop, only BEGIN/COMMIT on a thread
+        # (ledger/sqlite_inline.py says why). Anything else keeps aiosqlite as it comes.
+        engine = create_async_engine(
+            url,
+            async_creator=sqlite_inline.connector(
+                database, busy_timeout_ms=busy_timeout_ms, synchronous=synchronous
+            ),
+        )
+    else:
+        engine = create_async_engine(url, connect_args={"timeout": busy_timeout_ms / 1000})
 
     @event.listens_for(engine.sync_engine, "connect")
     def _on_connect(dbapi_connection: Any, _record: Any) -> None:

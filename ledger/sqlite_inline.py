@@ -1,0 +1,209 @@
+"""An aiosqlite-shaped connection over stdlib :mod:`sqlite3` that runs statements on the loop.
+
+Why: aiosqlite runs every call on a driver thread, and SQLAlchemy's async layer makes about four
+such calls per statement (cursor, execute, fetch, close). Each hop between the event loop and that
+thread costs ≈ 115 to 140 µs of latency here (DESIGN "Commit economy") and GIL hand-offs on both
+sides; a saga of 13 statements and 4 commits paid about 60 of them, more than the SQL itself. A
+statement on a local SQLite file whose write lock is already held is a few microseconds of C, so
+it runs on the event loop thread.
+
+What still goes to a thread, because it can *wait*:
+
+* ``BEGIN IMMEDIATE`` when another process holds SQLite's single write lock: it waits up to
+  ``busy_timeout``, and the loop must not stop meanwhile. It is first tried on the loop with a
+  zero timeout; writers of this process already queue on the store's own lock, so it is free
+  unless another process writes;
+* ``COMMIT`` under ``synchronous=FULL``/``EXTRA``: the fsync-class wait (and WAL
+  auto-checkpoints). Under ``NORMAL``/``OFF`` a WAL commit appends without an fsync and stays
+  on the loop.
+
+A reader (``BEGIN DEFERRED`` that changed nothing) stays on the loop throughout: in WAL its BEGIN
+takes no lock and its COMMIT writes nothing.
+
+Everything between them runs inline. That is the departure from DESIGN's "aiosqlite" engine: the
+dialect is still SQLAlchemy's ``sqlite+aiosqlite`` (its SQL, types and error classes are
+untouched); only the connection it drives is this one, plugged in through
+``create_async_engine(async_creator=...)``. The hops per write transaction go from ≈ 15 to none (FULL: one, the commit).
+
+One connection is only ever used by one coroutine at a time (SQLAlchemy's pool checks it out), so
+using the :class:`sqlite3.Connection` from the loop and from the worker thread in turn is safe
+(``check_same_thread=False``; sqlite3 is built serialized).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+#: SQLite's primary result code for "the lock is held by another connection".
+SQLITE_BUSY = 5
+
+
+class _InlineQueue:
+    """Stands in for aiosqlite's request queue: SQLAlchemy's ``isolation_level`` setter posts a
+    ``(future, function)`` pair to ``connection._tx``; here the function runs at once."""
+
+    def put_nowait(self, item: tuple[asyncio.Future[Any] | None, Callable[[], Any]]) -> None:
+        future, function = item
+        try:
+            result = function()
+        except BaseException as exc:  # handed to the waiting coroutine, as aiosqlite does
+            if future is not None and not future.done():
+                future.set_exception(exc)
+            return
+        if future is not None and not future.done():
+            future.set_result(result)
+
+
+class InlineCursor:
+    """The cursor surface SQLAlchemy's aiosqlite adapter uses, over a :class:`sqlite3.Cursor`."""
+
+    def __init__(self, connection: InlineConnection) -> None:
+        self._connection = connection
+        self._cursor = connection._conn.cursor()
+
+    @property
+    def description(self) -> Any:
+        return self._cursor.description
+
+    @property
+    def rowcount(self) -> int:
+        return self._cursor.rowcount
+
+    @property
+    def lastrowid(self) -> int | None:
+        return self._cursor.lastrowid
+
+    async def execute(self, sql: str, parameters: Sequence[Any] | None = None) -> InlineCursor:
+        args = () if parameters is None else parameters
+        connection = self._connection
+        head = sql.lstrip()[:16].upper()
+        if head.startswith("BEGIN"):
+            connection._begun(head)
+            if connection._reader:
+                self._cursor.execute(sql, args)  # DEFERRED takes no lock: nothing to wait for
+            else:
+                await connection._begin_write(self._cursor, sql, args)
+        elif head.startswith(("COMMIT", "END")):
+            await connection._commit_with(self._cursor.execute, sql, args)
+        else:
+            self._cursor.execute(sql, args)
+        return self
+
+    async def executemany(self, sql: str, seq: Iterable[Sequence[Any]]) -> InlineCursor:
+        self._cursor.executemany(sql, seq)
+        return self
+
+    async def fetchone(self) -> Any:
+        return self._cursor.fetchone()
+
+    async def fetchmany(self, size: int | None = None) -> list[Any]:
+        return self._cursor.fetchmany(size if size is not None else self._cursor.arraysize)
+
+    async def fetchall(self) -> list[Any]:
+        return self._cursor.fetchall()
+
+    async def close(self) -> None:
+        self._cursor.close()
+
+
+class InlineConnection:
+    """The connection surface SQLAlchemy's aiosqlite adapter uses (see the module doc)."""
+
+    def __init__(self, conn: sqlite3.Connection, *, busy_timeout_ms: int, synchronous: str) -> None:
+        self._conn = conn
+        self._busy_timeout_ms = int(busy_timeout_ms)
+        # In WAL mode only FULL and EXTRA fsync at every commit.
+        self._syncs_on_commit = synchronous.upper() in {"FULL", "EXTRA"}
+        self._tx = _InlineQueue()
+        # A DEFERRED transaction that changed nothing is a reader: its BEGIN takes no lock and
+        # its COMMIT writes nothing, so neither leaves the loop.
+        self._reader = False
+        self._changes_at_begin = 0
+        # One thread per connection: the waits of one connection never queue behind another's.
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="agent-txn-sqlite")
+
+    def _begun(self, head: str) -> None:
+        self._reader = head.startswith("BEGIN DEFERRED") or head.rstrip() == "BEGIN"
+        self._changes_at_begin = self._conn.total_changes
+
+    async def _off_loop(self, function: Callable[..., T], *args: Any) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._thread, lambda: function(*args))
+
+    @property
+    def isolation_level(self) -> str | None:
+        return self._conn.isolation_level
+
+    @property
+    def in_transaction(self) -> bool:
+        return self._conn.in_transaction
+
+    async def cursor(self) -> InlineCursor:
+        return InlineCursor(self)
+
+    async def execute(self, sql: str, parameters: Sequence[Any] | None = None) -> InlineCursor:
+        return await (await self.cursor()).execute(sql, parameters)
+
+    async def create_function(self, *args: Any, **kwargs: Any) -> None:
+        self._conn.create_function(*args, **kwargs)
+
+    async def commit(self) -> None:
+        if not self._conn.in_transaction:
+            return
+        await self._commit_with(self._conn.commit)
+
+    async def _begin_write(self, cursor: sqlite3.Cursor, sql: str, args: Sequence[Any]) -> None:
+        """``BEGIN IMMEDIATE`` on the loop when the write lock is free — the usual case, since
+        this process's writers already queue on the store's lock — else wait for it off the
+        loop, with the connection's busy timeout."""
+        conn = self._conn
+        conn.execute("PRAGMA busy_timeout=0")
+        try:
+            cursor.execute(sql, args)
+            return
+        except sqlite3.OperationalError as exc:
+            if getattr(exc, "sqlite_errorcode", 0) & 0xFF != SQLITE_BUSY:
+                raise
+        finally:
+            conn.execute(f"PRAGMA busy_timeout={self._busy_timeout_ms}")
+        await self._off_loop(cursor.execute, sql, args)
+
+    async def _commit_with(self, commit: Callable[..., Any], *args: Any) -> None:
+        if self._reader and self._conn.total_changes == self._changes_at_begin:
+            commit(*args)  # ends a read: releases the snapshot, touches no disk
+        elif self._syncs_on_commit:
+            await self._off_loop(commit, *args)  # the fsync-class wait
+        else:
+            commit(*args)  # WAL + synchronous=NORMAL/OFF: a commit appends to the WAL, no fsync
+
+    async def rollback(self) -> None:
+        # Undoing in-memory pages and dropping the lock never waits.
+        self._conn.rollback()
+
+    async def close(self) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        """Close now (SQLAlchemy's terminate path; also what :meth:`close` does)."""
+        self._conn.close()
+        self._thread.shutdown(wait=False)
+
+
+def connector(path: str, *, busy_timeout_ms: int, synchronous: str) -> Callable[[], Any]:
+    """An ``async_creator`` for :func:`sqlalchemy.ext.asyncio.create_async_engine`. The
+    engine's connect listener still sets the pragmas; ``synchronous`` here only says whether
+    a commit waits on the disk."""
+
+    async def connect() -> InlineConnection:
+        conn = sqlite3.connect(
+            path, timeout=busy_timeout_ms / 1000, check_same_thread=False, isolation_level=None
+        )
+        return InlineConnection(conn, busy_timeout_ms=busy_timeout_ms, synchronous=synchronous)
+
+    return connect

@@ -1,0 +1,147 @@
+"""The SQLite connection that runs statements on the event loop (ledger/sqlite_inline.py).
+
+SQLite-only by nature: PostgreSQL's asyncpg driver has no thread to hop to. What could break:
+a writer waiting on another process's lock must not stop the loop; the busy timeout must still
+bound that wait; the zero-timeout first try must not leak into later statements; and the hops
+to the driver thread per transaction are a deterministic cost (none for a read, none for a
+write under synchronous=NORMAL, one — the fsync of the commit — under FULL).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import threading
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from sqlalchemy import text
+
+from ledger import sqlite_inline
+from ledger.errors import StoreBusy
+from ledger.store import Store
+
+
+@pytest.fixture
+async def store_at(tmp_path: Path) -> AsyncIterator[tuple[Store, Path]]:
+    path = tmp_path / "agent.db"
+    store = await Store.open(f"sqlite+aiosqlite:///{path}")
+    try:
+        yield store, path
+    finally:
+        await store.close()
+
+
+def _hold_write_lock(path: Path, seconds: float, held: threading.Event) -> threading.Thread:
+    """Another process's writer, as far as SQLite can tell: its own connection, lock held."""
+
+    def hold() -> None:
+        conn = sqlite3.connect(path, isolation_level=None)
+        conn.execute("BEGIN IMMEDIATE")
+        held.set()
+        threading.Event().wait(seconds)
+        conn.execute("ROLLBACK")
+        conn.close()
+
+    thread = threading.Thread(target=hold, daemon=True)
+    thread.start()
+    return thread
+
+
+async def _ticks_while(awaitable: asyncio.Future[object] | asyncio.Task[object]) -> int:
+    ticks = 0
+    while not awaitable.done():
+        await asyncio.sleep(0.01)
+        ticks += 1
+    return ticks
+
+
+async def test_a_writer_waiting_on_another_connections_lock_leaves_the_loop_running(
+    store_at: tuple[Store, Path],
+) -> None:
+    store, path = store_at
+    held = threading.Event()
+    holder = _hold_write_lock(path, 0.5, held)
+    await asyncio.to_thread(held.wait, 5)
+
+    async def write() -> object:
+        async with store.transaction() as work:
+            await work.conn.execute(text("CREATE TABLE IF NOT EXISTS t (x INTEGER)"))
+            await work.conn.execute(text("INSERT INTO t VALUES (1)"))
+        return None
+
+    task = asyncio.ensure_future(write())
+    ticks = await _ticks_while(task)
+    await task
+    holder.join()
+    # The wait was ~0.5 s; a loop blocked by it would have ticked about once.
+    assert ticks >= 10
+    async with store.read() as conn:
+        assert (await conn.execute(text("SELECT count(*) FROM t"))).scalar_one() == 1
+
+
+async def test_the_busy_timeout_still_bounds_the_wait(tmp_path: Path) -> None:
+    path = tmp_path / "agent.db"
+    from ledger import dialects
+
+    engine = dialects.create_engine(f"sqlite+aiosqlite:///{path}", sqlite_busy_timeout_ms=200)
+    store = Store(engine, url=f"sqlite+aiosqlite:///{path}")
+    try:
+        async with store.transaction() as work:  # the schema-less file exists and is WAL
+            await work.conn.execute(text("CREATE TABLE t (x INTEGER)"))
+        held = threading.Event()
+        holder = _hold_write_lock(path, 2.0, held)
+        await asyncio.to_thread(held.wait, 5)
+        with pytest.raises(StoreBusy):
+            async with store.transaction() as work:
+                await work.conn.execute(text("INSERT INTO t VALUES (1)"))
+        holder.join()
+        # The zero timeout of the first, on-loop try was put back for what follows.
+        async with store.read() as conn:
+            assert (await conn.execute(text("PRAGMA busy_timeout"))).scalar_one() == 200
+    finally:
+        await store.close()
+
+
+@pytest.mark.parametrize(("synchronous", "write_hops"), [("FULL", 1), ("NORMAL", 0)])
+async def test_hops_to_the_driver_thread_per_transaction(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, synchronous: str, write_hops: int
+) -> None:
+    url = f"sqlite+aiosqlite:///{tmp_path / 'agent.db'}"
+    store = await Store.open(url, sqlite_synchronous=synchronous)
+    hops = 0
+    original = sqlite_inline.InlineConnection._off_loop
+
+    async def counting(self: sqlite_inline.InlineConnection, *args: object) -> object:
+        nonlocal hops
+        hops += 1
+        return await original(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(sqlite_inline.InlineConnection, "_off_loop", counting)
+    try:
+        async with store.transaction() as work:
+            await work.conn.execute(text("CREATE TABLE t (x INTEGER)"))
+        hops = 0
+        async with store.transaction() as work:
+            for i in range(5):
+                await work.conn.execute(text("INSERT INTO t VALUES (:x)"), {"x": i})
+        assert hops == write_hops
+        hops = 0
+        async with store.read() as conn:
+            assert (await conn.execute(text("SELECT count(*) FROM t"))).scalar_one() == 5
+        assert hops == 0
+    finally:
+        await store.close()
+
+
+async def test_a_rolled_back_write_leaves_nothing(store_at: tuple[Store, Path]) -> None:
+    store, _ = store_at
+    async with store.transaction() as work:
+        await work.conn.execute(text("CREATE TABLE t (x INTEGER)"))
+    with pytest.raises(RuntimeError):
+        async with store.transaction() as work:
+            await work.conn.execute(text("INSERT INTO t VALUES (1)"))
+            raise RuntimeError("the caller failed mid-transaction")
+    async with store.read() as conn:
+        assert (await conn.execute(text("SELECT count(*) FROM t"))).scalar_one() == 0
