@@ -295,6 +295,7 @@ class AgentToolbox:
                 lifecycle_snapshot={MARKER: marker},
             )
 
+        # Every staged action is written by ``stage`` with a record that names its transaction.
         assert record.tx_id is not None
         tx_id = record.tx_id
         await self.svc._with_lock_retries(
@@ -347,6 +348,7 @@ class AgentToolbox:
                 },
             )
             fresh = await executions.get(work.conn, record.execution_id)
+            # ``finish`` just updated it in this transaction (it raises when the row is gone).
             assert fresh is not None
             await audit.enqueue_callbacks(work, fresh, "staged")
 
@@ -406,12 +408,18 @@ class AgentToolbox:
             return tool_error(exc, "", "en")
         if action.state == "pending":
             return tool_result("staged", stored.name, None, action.language)
-        return await self._status_of(record.execution_id, stored.name, action.language)
+        try:
+            return await self._status_of(record.execution_id, stored.name, action.language)
+        except AgentTxnError as exc:
+            return tool_error(exc, stored.name, action.language)
 
     async def _status_of(self, execution_id: str, action: str, lang: str) -> dict[str, Any]:
+        """The tool result of an execution as stored now; :class:`ConfirmationInvalid` when its
+        record is gone (pruned or deleted since it was read), as :meth:`_confirmation` says."""
         async with self.svc._read() as conn:
             record = await executions.get(conn, execution_id)
-        assert record is not None
+        if record is None:
+            raise ConfirmationInvalid()
         if record.status == "succeeded":
             return tool_result("succeeded", action, None, lang)
         if record.status == "failed":

@@ -585,6 +585,8 @@ class CommandService:
                 duration_ms=0,
             )
             failed = await executions.get(work.conn, execution_id)
+            # Inserted just above in this same transaction: it cannot be gone yet (prune and
+            # every other writer wait for this commit).
             assert failed is not None
             await audit.enqueue_callbacks(work, failed, "failed")
         exc.execution_id = execution_id  # type: ignore[attr-defined]
@@ -738,10 +740,17 @@ class CommandService:
         )
         return await self._respond(execution_id, result)
 
-    async def _respond(self, execution_id: str, result: SagaResult) -> Outcome:
-        """Map a driven execution to what the caller receives."""
+    async def _respond(
+        self, execution_id: str, result: SagaResult, *, existed: bool = False
+    ) -> Outcome:
+        """Map a driven execution to what the caller receives. ``existed``: the record was
+        written before this call drove it (an approved staged plan)."""
         async with self._read() as conn:
             record = await executions.get(conn, execution_id)
+        if record is None and existed:
+            # It was there when the plan ran: pruned or deleted since, not a plan that never
+            # landed, so a retry would not help.
+            raise ExecutionNotFound()
         if record is None:
             # The plan did not land: another transaction holds (or committed) the business key.
             raise BusinessKeyConflict(details={"tx_id": result.tx_id})
@@ -845,6 +854,12 @@ class CommandService:
                 digest=prepared.row.digest,
                 requested_by=caller.principal_id,
             )
+            # The "staged" callbacks commit with the staged record (as the agent's hand-over
+            # does), not in a later transaction where the record could already be decided,
+            # pruned or deleted, and a crash in between could lose them.
+            record = await executions.get(work.conn, execution_id)
+            assert record is not None  # inserted earlier in this same transaction
+            await audit.enqueue_callbacks(work, record, "staged")
 
         execution_id = await self.stage(
             prepared,
@@ -857,10 +872,6 @@ class CommandService:
             response=refusal.envelope(),
         )
         refusal.execution_id = execution_id  # type: ignore[attr-defined]
-        async with self.orch.store.transaction() as work:
-            record = await executions.get(work.conn, execution_id)
-            assert record is not None
-            await audit.enqueue_callbacks(work, record, "staged")
         raise refusal
 
     async def approve(
@@ -888,6 +899,8 @@ class CommandService:
                 raise StagedChangeDecided()
             await executions.finish(work, record.execution_id, status="running", response=None)
 
+        # A staged change is only ever written with a record from :meth:`stage`, which always
+        # carries its transaction; only ``_record_failed`` rows lack one, and they stage nothing.
         assert record.tx_id is not None
         tx_id = record.tx_id
         result = await self._with_lock_retries(
@@ -895,13 +908,14 @@ class CommandService:
                 tx_id, budget_seconds=budget_seconds, prepare_hook=decide
             )
         )
-        return await self._respond(record.execution_id, result)
+        return await self._respond(record.execution_id, result, existed=True)
 
     async def reject(
         self, approver: Caller, staged_change_id: str, *, reason: str | None = None
     ) -> dict[str, Any]:
         """An approver releases the plan: nothing runs, the key is freed, the record says so."""
         change, record, _row = await self._decidable(approver, staged_change_id)
+        decided: list[ExecutionRow] = []
 
         async def decide(work: Work) -> None:
             if not await staged.decide_change(
@@ -931,16 +945,19 @@ class CommandService:
                     execution_id=record.execution_id,
                 )
             failed = await executions.get(work.conn, record.execution_id)
+            # ``finish`` just updated it in this transaction (it raises when the row is gone),
+            # and on PostgreSQL holds its row lock: it cannot vanish before the read.
             assert failed is not None
             await audit.enqueue_callbacks(work, failed, "failed")
+            decided.append(failed)
 
+        # See approve(): a staged change's record always names its transaction.
         assert record.tx_id is not None
         await self.orch.release_staged(record.tx_id, code="approval_rejected", hook=decide)
-        async with self._read() as conn:
-            final = await executions.get(conn, record.execution_id)
-        assert final is not None
+        # The record as this rejection committed it, not a re-read afterwards: once ``failed``
+        # it may be pruned at any moment, and the rejection happened either way.
         del change
-        return audit.view(final)
+        return audit.view(decided[-1])
 
     async def _decidable(
         self, approver: Caller, staged_change_id: str
