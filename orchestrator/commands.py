@@ -914,7 +914,7 @@ class CommandService:
         self, approver: Caller, staged_change_id: str, *, reason: str | None = None
     ) -> dict[str, Any]:
         """An approver releases the plan: nothing runs, the key is freed, the record says so."""
-        change, record, _row = await self._decidable(approver, staged_change_id)
+        _change, record, _row = await self._decidable(approver, staged_change_id)
         decided: list[ExecutionRow] = []
 
         async def decide(work: Work) -> None:
@@ -956,7 +956,6 @@ class CommandService:
         await self.orch.release_staged(record.tx_id, code="approval_rejected", hook=decide)
         # The record as this rejection committed it, not a re-read afterwards: once ``failed``
         # it may be pruned at any moment, and the rejection happened either way.
-        del change
         return audit.view(decided[-1])
 
     async def _decidable(
