@@ -562,27 +562,20 @@ class CommandService:
         async with self.orch.store.transaction() as work:
             await executions.insert(
                 work,
-                execution_id=execution_id,
-                command_id=row.command_id,
-                command_digest=row.digest,
-                tx_id=None,
-                status="failed",
-                invoker_kind=caller.kind,
-                invoker_id=caller.principal_id,
-                actor_bucket=caller.bucket,
-                idempotency_key=None,
-                origin=origin,
-                input_snapshot=inputs,
-                authorization_snapshot=snapshot,
-                steps=[],
-                result_refs=[],
-                error_code=exc.code,
-                error=audit.safe_error(exc.message),
-                response=None,
-                lifecycle_snapshot=None,
-                staged_change_id=None,
-                room_id=caller.room_id,
-                duration_ms=0,
+                **_new_record(
+                    row,
+                    caller,
+                    execution_id=execution_id,
+                    tx_id=None,
+                    status="failed",
+                    key=None,
+                    origin=origin,
+                    inputs=inputs,
+                    snapshot=snapshot,
+                    error_code=exc.code,
+                    error=audit.safe_error(exc.message),
+                    duration_ms=0,
+                ),
             )
             failed = await executions.get(work.conn, execution_id)
             # Inserted just above in this same transaction: it cannot be gone yet (prune and
@@ -616,27 +609,19 @@ class CommandService:
                 await self._reserve(work, row, caller, key, takeover, execution_id)
             await executions.insert(
                 work,
-                execution_id=execution_id,
-                command_id=row.command_id,
-                command_digest=row.digest,
-                tx_id=tx_id,
-                status=status,
-                invoker_kind=caller.kind,
-                invoker_id=caller.principal_id,
-                actor_bucket=caller.bucket,
-                idempotency_key=key,
-                origin=origin,
-                input_snapshot=prepared.inputs,
-                authorization_snapshot=prepared.snapshot,
-                steps=[],
-                result_refs=[],
-                error_code=None,
-                error=None,
-                response=None,
-                lifecycle_snapshot=dict(lifecycle) if lifecycle is not None else None,
-                staged_change_id=staged_change_id,
-                room_id=caller.room_id,
-                duration_ms=None,
+                **_new_record(
+                    row,
+                    caller,
+                    execution_id=execution_id,
+                    tx_id=tx_id,
+                    status=status,
+                    key=key,
+                    origin=origin,
+                    inputs=prepared.inputs,
+                    snapshot=prepared.snapshot,
+                    lifecycle=lifecycle,
+                    staged_change_id=staged_change_id,
+                ),
             )
             if extra is not None:
                 await extra(work)
@@ -1076,6 +1061,50 @@ class CommandService:
 
 
 # -- helpers -------------------------------------------------------------------------------------
+
+
+def _new_record(
+    row: CommandRow,
+    caller: Caller,
+    *,
+    execution_id: str,
+    tx_id: str | None,
+    status: str,
+    key: str | None,
+    origin: str,
+    inputs: Mapping[str, Any],
+    snapshot: Mapping[str, Any],
+    error_code: str | None = None,
+    error: str | None = None,
+    lifecycle: Mapping[str, Any] | None = None,
+    staged_change_id: str | None = None,
+    duration_ms: int | None = None,
+) -> dict[str, Any]:
+    """The columns of a new execution record of ``row`` run by ``caller``: the one place that
+    maps a run onto ``executions.insert`` (a failure before any write, or a plan's record)."""
+    return {
+        "execution_id": execution_id,
+        "command_id": row.command_id,
+        "command_digest": row.digest,
+        "tx_id": tx_id,
+        "status": status,
+        "invoker_kind": caller.kind,
+        "invoker_id": caller.principal_id,
+        "actor_bucket": caller.bucket,
+        "idempotency_key": key,
+        "origin": origin,
+        "input_snapshot": inputs,
+        "authorization_snapshot": snapshot,
+        "steps": [],
+        "result_refs": [],
+        "error_code": error_code,
+        "error": error,
+        "response": None,
+        "lifecycle_snapshot": dict(lifecycle) if lifecycle is not None else None,
+        "staged_change_id": staged_change_id,
+        "room_id": caller.room_id,
+        "duration_ms": duration_ms,
+    }
 
 
 def _context(prepared: _Prepared) -> dict[str, Any] | None:
