@@ -15,20 +15,21 @@ after the commit succeeded, so a rolled-back transaction never leaves a dangling
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import AsyncIterator, Callable, Hashable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar, cast
 
 from sqlalchemy import event, insert, literal, select
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncTransaction
 from sqlalchemy.sql import Executable
 from sqlalchemy.sql.elements import ColumnElement
 
 from ledger import dialects
 from ledger.canonical import canonical_json, sha256_hex
-from ledger.errors import DuplicateKey, LeaseLost
+from ledger.errors import DuplicateKey, LeaseLost, StoreUnavailable
 from ledger.schema import ledger as ledger_table
 
 GENESIS_HASH = "0" * 64
@@ -163,6 +164,41 @@ class Work:
         self._heads.clear()
 
 
+@dataclass(eq=False)
+class CommitGroup:
+    """The writers of this process sharing one physical SQLite transaction (see
+    :meth:`Store.transaction`)."""
+
+    conn: AsyncConnection
+    outer: AsyncTransaction
+    done: asyncio.Future[None]
+    members: int = 0
+    poisoned: bool = False
+    committer: asyncio.Future[None] | None = None
+
+
+@asynccontextmanager
+async def _translated() -> AsyncIterator[None]:
+    """Driver exceptions as :mod:`ledger.errors`."""
+    try:
+        yield
+    except Exception as exc:
+        translated = dialects.translate(exc)
+        if isinstance(translated, DuplicateKey) and _is_ledger_chain(translated.what):
+            # Our in-memory chain head is stale: another holder appended to this
+            # transaction's ledger since we last saw it, i.e. it holds the transaction now.
+            raise LeaseLost("ledger chain (another holder wrote this transaction)", 0) from exc
+        if translated is not None and translated is not exc:
+            raise translated from exc
+        raise
+
+
+async def _quietly(step: Awaitable[Any]) -> None:
+    # Clean-up after a failure must not hide the failure itself.
+    with contextlib.suppress(Exception):
+        await step
+
+
 class Store:
     """agent-txn's own database on SQLite or PostgreSQL."""
 
@@ -183,6 +219,7 @@ class Store:
         # in the driver's busy handler. Other processes still meet busy_timeout.
         self._write_lock = asyncio.Lock() if self.dialect == "sqlite" else None
         self._statements: dict[tuple[Hashable, int], Executable] = {}
+        self._group: CommitGroup | None = None
         self._install_counters()
 
     @classmethod
@@ -265,32 +302,98 @@ class Store:
 
     @asynccontextmanager
     async def transaction(self) -> AsyncIterator[Work]:
-        """One local write transaction (BEGIN IMMEDIATE on SQLite); storage errors translated."""
+        """One local write transaction; storage errors translated.
+
+        It is durable when the block exits: nothing written in it may be acted on before.
+        On SQLite it may share its physical commit with the transactions of other tasks of
+        this process (:class:`CommitGroup`); on PostgreSQL it is its own."""
         if self._write_lock is not None:
-            async with self._write_lock, self._transaction() as work:
+            async with _translated(), self._grouped() as work:
                 yield work
         else:
-            async with self._transaction() as work:
+            async with _translated(), self._transaction() as work:
                 yield work
 
     @asynccontextmanager
     async def _transaction(self) -> AsyncIterator[Work]:
-        work: Work | None = None
-        try:
-            async with self.engine.begin() as conn:
-                work = Work(conn=conn, store=self, now_ms=self.now_ms())
-                yield work
-                await work.flush()
-        except Exception as exc:
-            translated = dialects.translate(exc)
-            if isinstance(translated, DuplicateKey) and _is_ledger_chain(translated.what):
-                # Our in-memory chain head is stale: another holder appended to this
-                # transaction's ledger since we last saw it, i.e. it holds the transaction now.
-                raise LeaseLost("ledger chain (another holder wrote this transaction)", 0) from exc
-            if translated is not None and translated is not exc:
-                raise translated from exc
-            raise
+        async with self.engine.begin() as conn:
+            work = Work(conn=conn, store=self, now_ms=self.now_ms())
+            yield work
+            await work.flush()
         work._advance_chains()
+
+    @asynccontextmanager
+    async def _grouped(self) -> AsyncIterator[Work]:
+        """Group commit on SQLite (DESIGN "Commit economy").
+
+        Writers of this process queue on the store's lock (SQLite has one writer). The first
+        writer opens the physical transaction (``BEGIN IMMEDIATE``) and, when its block ends,
+        schedules the commit one loop turn later; every writer that gets the lock before that
+        joins the same transaction inside a ``SAVEPOINT`` of its own, so its failure undoes
+        only its own rows. Each writer then *waits for the physical commit* before its block
+        exits — the rule that nothing is acted on before it is durable is unchanged; only the
+        fsync-class wait is shared. A sequential caller pays no savepoint: the first writer of
+        a group is alone in it until it has finished."""
+        assert self._write_lock is not None
+        async with self._write_lock:
+            group = self._group
+            if group is None:
+                conn = await self.engine.connect()
+                try:
+                    outer = await conn.begin()
+                except BaseException:
+                    await conn.close()
+                    raise
+                group = CommitGroup(conn, outer, asyncio.get_running_loop().create_future())
+                work = Work(conn=conn, store=self, now_ms=self.now_ms())
+                try:
+                    yield work
+                    await work.flush()
+                except BaseException:
+                    # Alone in the group: the whole physical transaction is this writer's.
+                    await _quietly(outer.rollback())
+                    await _quietly(conn.close())
+                    raise
+                self._group = group
+                group.members = 1
+                group.committer = asyncio.ensure_future(self._commit_group(group))
+            else:
+                work = Work(conn=group.conn, store=self, now_ms=self.now_ms())
+                savepoint = await group.conn.begin_nested()
+                try:
+                    yield work
+                    await work.flush()
+                    await savepoint.commit()
+                except BaseException:
+                    try:
+                        await savepoint.rollback()
+                    except BaseException:
+                        group.poisoned = True  # the outer transaction is gone with it
+                    raise
+                group.members += 1
+        await asyncio.shield(group.done)
+        work._advance_chains()
+
+    async def _commit_group(self, group: CommitGroup) -> None:
+        # One loop turn: every task that is ready now may still join with its transition.
+        await asyncio.sleep(0)
+        assert self._write_lock is not None
+        async with self._write_lock:
+            if self._group is group:
+                self._group = None
+            try:
+                if group.poisoned:
+                    await group.outer.rollback()
+                    raise StoreUnavailable("the commit group was abandoned")
+                await group.outer.commit()
+            except BaseException as exc:
+                await _quietly(group.outer.rollback())
+                group.done.set_exception(exc)
+                group.done.exception()  # retrieved: every member re-raises it on its own
+            else:
+                group.done.set_result(None)
+            finally:
+                await _quietly(group.conn.close())
 
     @asynccontextmanager
     async def read(self) -> AsyncIterator[AsyncConnection]:
@@ -306,11 +409,22 @@ class Store:
                 raise translated from exc
             raise
 
+    async def _settle_group(self, *, abandon: bool) -> None:
+        group = self._group
+        if group is None or group.committer is None:
+            return
+        group.poisoned = group.poisoned or abandon
+        with contextlib.suppress(Exception):
+            await asyncio.shield(group.committer)
+
     async def close(self) -> None:
-        """Release every pooled connection."""
+        """Commit what is pending, then release every pooled connection."""
+        await self._settle_group(abandon=False)
         await self.engine.dispose()
 
     async def abandon(self) -> None:
         """Drop every connection as a crashed process would: no lease is released, nothing else
-        is written; uncommitted work was already rolled back by the database."""
+        is written; uncommitted work was already rolled back by the database (a commit group
+        still waiting for its commit is rolled back: its writers were waiting, none acted)."""
+        await self._settle_group(abandon=True)
         await self.engine.dispose()

@@ -1,0 +1,112 @@
+"""Group commit (ledger/store.py: Store.transaction, CommitGroup).
+
+On SQLite the writers of one process that queue on the store's lock share one physical commit,
+each in a savepoint of its own; on PostgreSQL every transaction commits itself. Either way a
+transaction is durable when its block exits — checked here through a second engine, the way
+another process would see it — and one writer's failure undoes only its own rows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+from sqlalchemy import text
+
+from ledger.store import Store
+from tests.conftest import DbUrls
+
+WRITERS = 12
+
+
+@pytest.fixture
+async def stores(db_urls: DbUrls) -> AsyncIterator[tuple[Store, Store]]:
+    """The store under test and an independent one on the same database (an observer)."""
+    store = await Store.open(db_urls.store)
+    observer = await Store.open(db_urls.store)
+    async with store.transaction() as work:
+        await work.conn.execute(text("CREATE TABLE gc (writer INTEGER, row INTEGER)"))
+    try:
+        yield store, observer
+    finally:
+        await observer.close()
+        await store.close()
+
+
+async def _rows(observer: Store, writer: int | None = None) -> int:
+    sql = "SELECT count(*) FROM gc" + ("" if writer is None else " WHERE writer = :w")
+    async with observer.read() as conn:
+        return int((await conn.execute(text(sql), {"w": writer})).scalar_one())
+
+
+async def test_concurrent_writers_share_commits_and_each_is_durable_on_exit(
+    stores: tuple[Store, Store], backend: str
+) -> None:
+    store, observer = stores
+    seen_on_exit: dict[int, int] = {}
+
+    async def writer(n: int) -> None:
+        async with store.transaction() as work:
+            for row in range(3):
+                await work.conn.execute(
+                    text("INSERT INTO gc VALUES (:w, :r)"), {"w": n, "r": row}
+                )
+        # The moment the block exits, another connection sees all of this writer's rows.
+        seen_on_exit[n] = await _rows(observer, n)
+
+    before = store.stats.snapshot()
+    await asyncio.gather(*(writer(n) for n in range(WRITERS)))
+    commits = store.stats.commits - before.commits
+
+    assert seen_on_exit == {n: 3 for n in range(WRITERS)}
+    assert await _rows(observer) == 3 * WRITERS
+    if backend == "sqlite":
+        # All twelve were ready together: far fewer physical commits than transactions.
+        assert commits < WRITERS / 2
+    else:
+        assert commits == WRITERS
+
+
+async def test_a_failing_writer_undoes_only_its_own_rows(stores: tuple[Store, Store]) -> None:
+    store, observer = stores
+
+    async def writer(n: int) -> None:
+        async with store.transaction() as work:
+            await work.conn.execute(text("INSERT INTO gc VALUES (:w, 0)"), {"w": n})
+            if n % 3 == 1:
+                raise RuntimeError(f"writer {n} fails after writing")
+
+    results = await asyncio.gather(*(writer(n) for n in range(WRITERS)), return_exceptions=True)
+
+    failed = {n for n, r in enumerate(results) if isinstance(r, RuntimeError)}
+    assert failed == {n for n in range(WRITERS) if n % 3 == 1}
+    for n in range(WRITERS):
+        assert await _rows(observer, n) == (0 if n in failed else 1)
+
+
+async def test_a_lone_failing_writer_leaves_nothing_and_the_next_one_commits(
+    stores: tuple[Store, Store],
+) -> None:
+    store, observer = stores
+    with pytest.raises(RuntimeError):
+        async with store.transaction() as work:
+            await work.conn.execute(text("INSERT INTO gc VALUES (1, 0)"))
+            raise RuntimeError("fails alone")
+    assert await _rows(observer) == 0
+    before = store.stats.snapshot()
+    async with store.transaction() as work:
+        await work.conn.execute(text("INSERT INTO gc VALUES (2, 0)"))
+    assert store.stats.commits - before.commits == 1
+    assert await _rows(observer) == 1
+
+
+async def test_a_sequential_writer_pays_no_savepoint(stores: tuple[Store, Store]) -> None:
+    store, _ = stores
+    before = store.stats.snapshot()
+    for n in range(5):
+        async with store.transaction() as work:
+            await work.conn.execute(text("INSERT INTO gc VALUES (:w, 0)"), {"w": n})
+    # One INSERT and one commit per transaction: no SAVEPOINT/RELEASE when nobody joins.
+    assert store.stats.statements - before.statements == 5
+    assert store.stats.commits - before.commits == 5
