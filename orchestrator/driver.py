@@ -74,8 +74,9 @@ class Services:
 
 
 def render_payload(template: Any, scope: Mapping[str, Any]) -> tuple[Any, str]:
-    """Render a payload template; returns the payload and its fingerprint."""
-    payload = expressions.render(template, scope)
+    """Render a payload template of a parsed definition (validated when it was parsed);
+    returns the payload and its fingerprint."""
+    payload = expressions.render(template, scope, prevalidated=True)
     return payload, fingerprint(payload)
 
 
@@ -381,7 +382,7 @@ class SagaRun:
         scope = self.scope()
         for a in self.definition.asserts_before(step):
             try:
-                ok = expressions.evaluate_condition(a["expr"], scope)
+                ok = expressions.evaluate_condition(a["expr"], scope, prevalidated=True)
             except expressions.ExpressionError:
                 ok = False
             if not ok:
@@ -410,7 +411,9 @@ class SagaRun:
     def output(self) -> Any:
         """The result projection of the saga's definition over its confirmed steps."""
         template = self.definition.result_template
-        return None if template is None else expressions.render(template, self.scope())
+        if template is None:
+            return None
+        return expressions.render(template, self.scope(), prevalidated=True)
 
     async def _finished(self, work: Work) -> None:
         """The saga reached a terminal or parked state in ``work``: tell the hook, same commit."""
@@ -540,7 +543,7 @@ class SagaRun:
         scope = self.scope()
         for check in self.definition.checks:
             try:
-                ok = expressions.evaluate_condition(check["expr"], scope)
+                ok = expressions.evaluate_condition(check["expr"], scope, prevalidated=True)
             except expressions.ExpressionError as exc:
                 ok, detail = False, exc.code
             else:

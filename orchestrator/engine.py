@@ -579,7 +579,7 @@ class Orchestrator:
         for ordinal, step in enumerate(definition.steps):
             payload: Any = None
             sha: str | None = None
-            needs_results = any(r.startswith("steps.") for r in expressions.refs(step["payload"]))
+            needs_results = definition.payload_needs_results(ordinal)
             if not needs_results:
                 try:
                     payload, sha = render_payload(step["payload"], scope)

@@ -783,25 +783,32 @@ _HANDLERS: Final[dict[str, _Handler]] = {
 assert _HANDLERS.keys() == OPERATORS
 
 
-def evaluate(expr: object, scope: Mapping[str, object]) -> object:
+def evaluate(expr: object, scope: Mapping[str, object], *, prevalidated: bool = False) -> object:
     """Validate, then evaluate ``expr`` against ``scope``; the result is a fresh plain-JSON value.
+
+    ``prevalidated=True`` skips the structural walk: only for expressions of a parsed, immutable
+    saga definition, which :func:`validate` checked at parse time (re-walking every template on
+    every saga was a measurable share of the hot path).
 
     Raises :class:`ExpressionError` for malformed expressions and evaluation failures alike.
     """
     if not isinstance(scope, Mapping):
         raise TypeError("scope must be a mapping")
-    _walk(expr)
+    if not prevalidated:
+        _walk(expr)
     return _eval(expr, "", scope)
 
 
-def render(template: object, scope: Mapping[str, object]) -> object:
+def render(template: object, scope: Mapping[str, object], *, prevalidated: bool = False) -> object:
     """Render a payload template: the same as :func:`evaluate`, named for templates."""
-    return evaluate(template, scope)
+    return evaluate(template, scope, prevalidated=prevalidated)
 
 
-def evaluate_condition(expr: object, scope: Mapping[str, object]) -> bool:
+def evaluate_condition(
+    expr: object, scope: Mapping[str, object], *, prevalidated: bool = False
+) -> bool:
     """Evaluate a condition (a validation check, a rule); ``not_boolean`` unless it is a boolean."""
-    return _boolean(evaluate(expr, scope), "condition", "")
+    return _boolean(evaluate(expr, scope, prevalidated=prevalidated), "condition", "")
 
 
 # --------------------------------------------------------------------------------------------

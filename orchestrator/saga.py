@@ -368,6 +368,18 @@ class SagaDefinition:
             raise _invalid("the definition is not plain JSON") from exc
         return cls(data=data, digest=fingerprint(data))
 
+    def payload_needs_results(self, ordinal: int) -> bool:
+        """Whether step ``ordinal``'s payload refers to earlier steps' results (then it is
+        rendered when the step is reached, not at prepare)."""
+        return self._needs_results[ordinal]
+
+    @functools.cached_property
+    def _needs_results(self) -> tuple[bool, ...]:
+        return tuple(
+            any(r.startswith("steps.") for r in expressions.refs(step["payload"]))
+            for step in self.data["steps"]
+        )
+
     @functools.cached_property
     def _input_model(self) -> Any:
         # Per definition object: the schema's canonical text, the cache's key, costs a walk.
