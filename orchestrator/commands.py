@@ -35,12 +35,13 @@ from __future__ import annotations
 import asyncio
 import builtins
 import contextlib
+import enum
 import random
 import re
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import text
@@ -93,6 +94,16 @@ if TYPE_CHECKING:
 
 DIGEST_PATTERN: Final = re.compile(r"^[0-9a-f]{64}$")
 IDEMPOTENCY_TTL_MS: Final = 24 * 3600 * 1000
+
+
+class Unchanged(enum.Enum):
+    """The type of :data:`UNCHANGED`."""
+
+    UNCHANGED = "unchanged"
+
+
+#: An edit's "leave this field as stored" (where ``None`` means "clear it").
+UNCHANGED: Final = Unchanged.UNCHANGED
 
 
 class CommandLimits(BaseModel):
@@ -251,9 +262,10 @@ class CommandService:
         definition: Mapping[str, Any] | definitions.Command,
         *,
         expected_digest: str | None = None,
-        tag_id: str | None = None,
+        tag_id: str | Literal[Unchanged.UNCHANGED] | None = UNCHANGED,
     ) -> dict[str, Any]:
-        """Replace a command's definition (compare-and-set on its digest)."""
+        """Replace a command's definition (compare-and-set on its digest); ``tag_id`` is kept
+        unless given, and ``None`` clears it."""
         authz.require_jwt(caller)
         raw = definition.definition() if isinstance(definition, definitions.Command) else definition
         async with self._read() as conn:
@@ -271,7 +283,7 @@ class CommandService:
             "digest": stored.digest,
             "saga_digest": saga_digest,
         }
-        if tag_id is not None:
+        if tag_id is not UNCHANGED:
             changes["tag_id"] = tag_id
         async with self.orch.store.transaction() as work:
             updated = await commands.update(
@@ -1220,4 +1232,11 @@ def _visible_to(principal: Principal, record: ExecutionRow, command: CommandRow)
     )
 
 
-__all__: Sequence[str] = ("CommandLimits", "CommandService", "Outcome", "command_view")
+__all__: Sequence[str] = (
+    "UNCHANGED",
+    "CommandLimits",
+    "CommandService",
+    "Outcome",
+    "Unchanged",
+    "command_view",
+)

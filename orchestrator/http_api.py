@@ -71,7 +71,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from ledger.errors import StoreBusy, StoreUnavailable
 from orchestrator import authz, ops
 from orchestrator.authz import AuthSettings, Caller
-from orchestrator.commands import Outcome
+from orchestrator.commands import UNCHANGED, Outcome
 from orchestrator.engine import Orchestrator
 from orchestrator.errors import (
     AgentTxnError,
@@ -384,11 +384,15 @@ class CreateCommand(_Body):
 
 
 class UpdateCommand(_Body):
-    """``PUT /v1/commands/{command_id}``: compare-and-set on ``expected_digest`` when given."""
+    """``PUT /v1/commands/{command_id}``: compare-and-set on ``expected_digest`` when given.
+
+    ``tag_id`` absent keeps the stored tag; ``"tag_id": null`` clears it."""
 
     definition: dict[str, Any]
     expected_digest: str | None = Field(default=None, max_length=MAX_ID_LENGTH)
-    tag_id: IdField | None = None
+    tag_id: IdField | None = Field(
+        default=None, description="Absent: the tag is kept. null: the tag is cleared."
+    )
 
 
 class ExecuteCommand(_Body):
@@ -827,7 +831,8 @@ def create_app(orch: Orchestrator, auth: AuthSettings) -> FastAPI:
             command_id,
             body.definition,
             expected_digest=body.expected_digest,
-            tag_id=body.tag_id,
+            # Only a key the client sent is an edit: absent keeps the tag, null clears it.
+            tag_id=body.tag_id if "tag_id" in body.model_fields_set else UNCHANGED,
         )
         return JSONResponse(view)
 

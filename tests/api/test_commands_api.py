@@ -78,6 +78,28 @@ async def test_authoring_create_get_list_update_delete(api: Api) -> None:
     assert listed.json() == []
 
 
+async def test_put_keeps_an_absent_tag_and_clears_a_null_one(api: Api) -> None:
+    await api.add_user("alice")
+    command_id = (await api.create("alice", tag_id="t-1"))["command_id"]
+    url = f"/v1/commands/{command_id}"
+
+    async def put(**body: Any) -> dict[str, Any]:
+        response = await api.client.put(
+            url, json={"definition": order_command(), **body}, headers=bearer("alice")
+        )
+        assert response.status_code == 200, response.text
+        view: dict[str, Any] = response.json()
+        return view
+
+    assert (await put())["tag_id"] == "t-1"  # absent: kept
+    assert (await put(tag_id="t-2"))["tag_id"] == "t-2"
+    cleared = await put(tag_id=None)  # explicit null: cleared (null keys are left out)
+    assert "tag_id" not in cleared
+    got = await api.client.get(url, headers=bearer("alice"))
+    assert got.json() == cleared
+    assert "tag_id" not in await put()  # absent again: stays cleared
+
+
 async def test_authoring_needs_manage_on_every_action(api: Api) -> None:
     await api.add_user("runner", permissions=("execute",))
     response = await api.client.post(
