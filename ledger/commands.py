@@ -8,11 +8,11 @@ for their audit trail. Nothing here writes ledger rows: commands are not sagas.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import ColumnElement, and_, false, or_, select
 from sqlalchemy import update as sql_update
 from sqlalchemy.engine import Row
 from sqlalchemy.ext.asyncio import AsyncConnection
@@ -124,18 +124,56 @@ async def get(
 
 
 async def list_(
-    conn: AsyncConnection, *, tenant: str, skip: int = 0, limit: int = 50
+    conn: AsyncConnection,
+    *,
+    tenant: str,
+    skip: int = 0,
+    limit: int = 50,
+    company: bool = True,
+    rooms: Collection[str] | None = None,
 ) -> list[CommandRow]:
     """A page of the tenant's live commands, newest first (``command_id`` breaks ties, so pages
-    are stable even when several commands share a millisecond)."""
+    are stable even when several commands share a millisecond).
+
+    ``company=False`` leaves out company-scoped commands; ``rooms``, when given, keeps only the
+    room-scoped commands of those rooms. The page is cut after that filter, so a caller's
+    visible commands page in the database."""
+    mounted: list[ColumnElement[bool]] = []
+    if company:
+        mounted.append(commands.c.scope_kind == "company")
+    if rooms is None:
+        mounted.append(commands.c.scope_kind == "room")
+    elif rooms:
+        mounted.append(and_(commands.c.scope_kind == "room", commands.c.scope_id.in_(rooms)))
     stmt = (
         select(commands)
-        .where(commands.c.tenant == tenant, commands.c.deleted_at.is_(None))
+        .where(
+            commands.c.tenant == tenant,
+            commands.c.deleted_at.is_(None),
+            or_(*mounted) if mounted else false(),
+        )
         .order_by(commands.c.created_at.desc(), commands.c.command_id.desc())
         .offset(skip)
         .limit(limit)
     )
     return [_row(r) for r in await conn.execute(stmt)]
+
+
+async def rooms_in_use(conn: AsyncConnection, *, tenant: str, among: Collection[str]) -> set[str]:
+    """Which of the rooms ``among`` have a live command of the tenant mounted in them."""
+    if not among:
+        return set()
+    stmt = (
+        select(commands.c.scope_id)
+        .where(
+            commands.c.tenant == tenant,
+            commands.c.deleted_at.is_(None),
+            commands.c.scope_kind == "room",
+            commands.c.scope_id.in_(among),
+        )
+        .distinct()
+    )
+    return {str(v) for v in (await conn.execute(stmt)).scalars()}
 
 
 async def update(

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any, Final, Literal
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import text
 
-from ledger import action_settings, commands, executions, reservations, staged
+from ledger import action_settings, commands, executions, principals, reservations, staged
 from ledger import callbacks as callback_runs
 from ledger.canonical import NotCanonicalizable, canonical_json, fingerprint
 from ledger.commands import CommandRow
@@ -304,29 +304,44 @@ class CommandService:
     async def list(
         self, caller: Caller, *, skip: int = 0, limit: int = 50
     ) -> builtins.list[dict[str, Any]]:
-        """Commands of this tenant the caller can act in, newest first."""
+        """Commands of this tenant the caller can act in, newest first; the scopes are judged
+        first, then the database filters and pages (``skip``/``limit``)."""
         authz.require_jwt(caller)
         _check_page(skip, limit)
-        out: list[dict[str, Any]] = []
-        allowed: dict[tuple[str, str], bool] = {}  # one principal check per scope, not per row
-        offset = 0
         async with self._read() as conn:
-            while len(out) < skip + limit:
-                page = await commands.list_(conn, tenant=self.tenant, skip=offset, limit=200)
-                if not page:
-                    break
-                offset += len(page)
-                for row in page:
-                    scope = (row.scope_kind, row.scope_id)
-                    if scope not in allowed:
-                        try:
-                            await self._principal(conn, caller, row)
-                            allowed[scope] = True
-                        except PrincipalNotAuthorized:
-                            allowed[scope] = False
-                    if allowed[scope]:
-                        out.append(command_view(row))
-        return out[skip : skip + limit]
+            company, rooms = await self._actable_scopes(conn, caller)
+            if not company and not rooms:
+                return []
+            rows = await commands.list_(
+                conn, tenant=self.tenant, skip=skip, limit=limit, company=company, rooms=rooms
+            )
+        return [command_view(row) for row in rows]
+
+    async def _actable_scopes(self, conn: Any, caller: Caller) -> tuple[bool, builtins.list[str]]:
+        """(company commands visible, rooms whose commands are visible), each scope judged by
+        the principal check a single command gets (:meth:`_principal`)."""
+        # Only rooms the caller is in can pass that check, and a room-bound caller acts in its
+        # own room alone; of those, only rooms with commands are worth a check.
+        if caller.room_id is not None:
+            candidates = [caller.room_id]
+        else:
+            memberships = await principals.memberships_of(conn, caller.principal_id)
+            candidates = [m.room_id for m in memberships if m.current]
+        in_use = await commands.rooms_in_use(conn, tenant=self.tenant, among=candidates)
+
+        async def may_act(kind: str, scope_id: str) -> bool:
+            try:
+                await authz.load_principal(
+                    conn, caller, tenant=self.tenant, scope_kind=kind, scope_id=scope_id
+                )
+            except PrincipalNotAuthorized:
+                return False
+            return True
+
+        # The company check ignores the scope id (company commands are this tenant's).
+        company = await may_act("company", self.tenant)
+        rooms = [room for room in sorted(in_use) if await may_act("room", room)]
+        return company, rooms
 
     async def delete(self, caller: Caller, command_id: str) -> None:
         """Soft-delete a command (its executions stay readable)."""

@@ -368,6 +368,26 @@ async def test_executions_are_listed_newest_first_and_paged(api: Api) -> None:
         assert [e["field"] for e in detail["details"]["errors"]] == [field]
 
 
+async def test_commands_are_listed_newest_first_and_paged(api: Api) -> None:
+    await api.add_user("alice")
+    ids = [
+        (await api.create("alice", order_command(name=f"o_{n}")))["command_id"] for n in range(3)
+    ]
+    everything = await api.client.get("/v1/commands", headers=bearer("alice"))
+    newest_first = [c["command_id"] for c in everything.json()]
+    assert sorted(newest_first) == sorted(ids) and len(newest_first) == 3
+    for skip, limit in ((0, 1), (1, 1), (2, 1), (2, 5), (3, 1), (0, 200), (201, 200)):
+        page = await api.client.get(
+            "/v1/commands", params={"skip": skip, "limit": limit}, headers=bearer("alice")
+        )
+        assert page.status_code == 200
+        assert page.json() == everything.json()[skip : skip + limit], (skip, limit)
+    for params in ({"limit": 0}, {"limit": 201}, {"skip": -1}):
+        refused = await api.client.get("/v1/commands", params=params, headers=bearer("alice"))
+        assert refused.status_code == 422, params
+        assert _error(refused.json())["error"] == "request_invalid"
+
+
 async def test_an_unknown_execution_is_404(api: Api) -> None:
     await api.add_user("alice")
     command_id = (await api.create("alice"))["command_id"]

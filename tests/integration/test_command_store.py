@@ -207,6 +207,36 @@ async def test_command_list_newest_first_live_only(store: Store) -> None:
         assert [c.command_id for c in await commands.list_(conn, tenant="globex")] == ["other"]
 
 
+async def test_command_list_filters_scopes_before_it_pages(store: Store) -> None:
+    await _command(store, "co1")
+    store.advance_clock(1)
+    await _command(store, "ra1", scope_kind="room", scope_id="room-a")
+    store.advance_clock(1)
+    await _command(store, "rb1", scope_kind="room", scope_id="room-b")
+    store.advance_clock(1)
+    await _command(store, "ra2", scope_kind="room", scope_id="room-a")
+    await _command(store, "rc1", scope_kind="room", scope_id="room-c")
+    async with store.transaction() as work:
+        assert await commands.soft_delete(work, "rc1")
+    async with store.read() as conn:
+
+        async def ids(**kwargs: Any) -> list[str]:
+            return [c.command_id for c in await commands.list_(conn, tenant="acme", **kwargs)]
+
+        assert await ids() == ["ra2", "rb1", "ra1", "co1"]
+        assert await ids(rooms=["room-a"]) == ["ra2", "ra1", "co1"]
+        assert await ids(rooms=["room-a"], skip=1, limit=2) == ["ra1", "co1"]
+        assert await ids(rooms=["room-a"], skip=3) == []
+        assert await ids(company=False, rooms=["room-b", "room-c"]) == ["rb1"]
+        assert await ids(rooms=[]) == ["co1"]
+        assert await ids(company=False, rooms=[]) == []
+        assert await ids(company=False) == ["ra2", "rb1", "ra1"]
+        among = ["room-a", "room-c", "room-z"]
+        assert await commands.rooms_in_use(conn, tenant="acme", among=among) == {"room-a"}
+        assert await commands.rooms_in_use(conn, tenant="globex", among=among) == set()
+        assert await commands.rooms_in_use(conn, tenant="acme", among=[]) == set()
+
+
 async def test_command_update_is_compare_and_set_on_digest(store: Store) -> None:
     before = await _command(store)
     store.advance_clock(1)
