@@ -23,7 +23,8 @@ takes no lock and its COMMIT writes nothing.
 Everything between them runs inline. That is the departure from DESIGN's "aiosqlite" engine: the
 dialect is still SQLAlchemy's ``sqlite+aiosqlite`` (its SQL, types and error classes are
 untouched); only the connection it drives is this one, plugged in through
-``create_async_engine(async_creator=...)``. The hops per write transaction go from ≈ 15 to none (FULL: one, the commit).
+``create_async_engine(async_creator=...)``. The hops per write transaction go from ≈ 15 to
+none (under FULL: one, the commit).
 
 One connection is only ever used by one coroutine at a time (SQLAlchemy's pool checks it out), so
 using the :class:`sqlite3.Connection` from the loop and from the worker thread in turn is safe

@@ -49,9 +49,7 @@ async def test_concurrent_writers_share_commits_and_each_is_durable_on_exit(
     async def writer(n: int) -> None:
         async with store.transaction() as work:
             for row in range(3):
-                await work.conn.execute(
-                    text("INSERT INTO gc VALUES (:w, :r)"), {"w": n, "r": row}
-                )
+                await work.conn.execute(text("INSERT INTO gc VALUES (:w, :r)"), {"w": n, "r": row})
         # The moment the block exits, another connection sees all of this writer's rows.
         seen_on_exit[n] = await _rows(observer, n)
 
