@@ -74,7 +74,7 @@ def create_engine(
     url = normalize_url(url)
     if dialect_of(url) == "sqlite":
         return _sqlite_engine(url, sqlite_synchronous, sqlite_busy_timeout_ms)
-    return create_async_engine(
+    engine = create_async_engine(
         url,
         pool_size=pg_pool_size,
         max_overflow=pg_pool_size,
@@ -86,6 +86,30 @@ def create_engine(
             }
         },
     )
+    _ping_in_one_round_trip(engine)
+    return engine
+
+
+def _ping_in_one_round_trip(engine: AsyncEngine) -> None:
+    """Pre-ping with one round trip instead of three.
+
+    SQLAlchemy's asyncpg ping wraps ``;`` in ``BEGIN`` … ``ROLLBACK`` (for pgbouncer's
+    transaction mode), three round trips on every checkout, i.e. on every local transaction:
+    a quarter of a saga's round trips. We send the bare ``;`` through the documented
+    ``AdaptedConnection.run_async``; if that fails for any reason the dialect's own ping runs,
+    so a dead connection is still reported the way the pool expects (translated, then
+    recycled)."""
+    dialect = engine.sync_engine.dialect
+    own_ping = dialect.do_ping
+
+    def do_ping(dbapi_connection: Any) -> bool:
+        try:
+            dbapi_connection.run_async(lambda driver: driver.fetchrow(";"))
+        except Exception:
+            return own_ping(dbapi_connection)
+        return True
+
+    dialect.do_ping = do_ping  # type: ignore[method-assign]
 
 
 def _sqlite_engine(url: str, synchronous: str, busy_timeout_ms: int) -> AsyncEngine:
