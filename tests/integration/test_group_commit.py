@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 import pytest
 from sqlalchemy import text
 
+from ledger.errors import StoreUnavailable
 from ledger.store import Store
 from tests.conftest import DbUrls
 
@@ -108,3 +109,50 @@ async def test_a_sequential_writer_pays_no_savepoint(stores: tuple[Store, Store]
     # One INSERT and one commit per transaction: no SAVEPOINT/RELEASE when nobody joins.
     assert store.stats.statements - before.statements == 5
     assert store.stats.commits - before.commits == 5
+
+
+async def test_abandon_rolls_back_a_group_still_waiting_for_its_commit(
+    stores: tuple[Store, Store], backend: str
+) -> None:
+    if backend != "sqlite":
+        pytest.skip("PostgreSQL commits each transaction itself: there is no group to abandon")
+    store, observer = stores
+    abandoned: list[asyncio.Future[None]] = []
+
+    async def writer(n: int) -> None:
+        async with store.transaction() as work:
+            await work.conn.execute(text("INSERT INTO gc VALUES (:w, 0)"), {"w": n})
+            if n == 1:
+                # The process "crashes" while both writers wait for their shared commit.
+                abandoned.append(asyncio.ensure_future(store.abandon()))
+
+    results = await asyncio.gather(writer(0), writer(1), return_exceptions=True)
+    await abandoned[0]
+
+    # Neither writer was told its rows were durable, and none are.
+    assert all(isinstance(r, StoreUnavailable) for r in results), results
+    assert await _rows(observer) == 0
+
+
+async def test_a_writer_cancelled_while_waiting_does_not_stop_the_others(
+    stores: tuple[Store, Store],
+) -> None:
+    store, observer = stores
+    inside = asyncio.Event()
+
+    async def writer(n: int) -> None:
+        async with store.transaction() as work:
+            await work.conn.execute(text("INSERT INTO gc VALUES (:w, 0)"), {"w": n})
+            inside.set()
+
+    tasks = [asyncio.ensure_future(writer(n)) for n in range(3)]
+    await inside.wait()
+    tasks[1].cancel()
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+
+    assert results[0] is None and results[2] is None
+    assert await _rows(observer, 0) == 1 and await _rows(observer, 2) == 1
+    # The store stays usable after a cancelled writer.
+    async with store.transaction() as work:
+        await work.conn.execute(text("INSERT INTO gc VALUES (9, 0)"))
+    assert await _rows(observer, 9) == 1
