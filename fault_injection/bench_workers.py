@@ -2,13 +2,9 @@
 
 The bench process (:func:`run_workers_bench`):
 
-1. prepares N order sagas: each is an ordinary :meth:`Orchestrator.execute` stopped right
-   after its first local commit (the plan persisted and its first step claimed, the
-   ``prepare.after_commit`` crashpoint) by an engine whose lease is 1 ms, so every saga is due
-   at once. The engine has no "enqueue" call: a prepared saga that another process drives is
-   exactly this, and that process looks the first step up before applying it (the protocol's
-   rule for any re-claim: nothing but the preparer knows it never called) — one provider
-   call more per saga than in-process execution;
+1. enqueues N order sagas (:meth:`Orchestrator.enqueue`: one commit each, the plan persisted
+   with every step pending and no lease, so every saga is due at once and its first step is
+   known never to have been sent — the worker that claims it applies without a lookup);
 2. starts W worker processes (``python -m fault_injection.bench_workers worker``): each opens
    its providers and the store, runs ``warmup`` sagas of its own through ``execute``, prints
    ``ready`` and waits for ``go`` on stdin; then it runs the same :class:`orchestrator.worker.
@@ -66,7 +62,6 @@ from ledger.effects import EffectKind, count_unsettled
 from ledger.states import TxState
 from ledger.transactions import count_by_status
 from orchestrator.config import EngineSettings
-from orchestrator.crashpoints import SimulatedCrash
 from orchestrator.engine import Orchestrator
 from orchestrator.worker import Worker
 from providers.contract import Provider
@@ -80,8 +75,6 @@ SECONDS_PER_SAGA_LIMIT = 0.5
 READY_TIMEOUT_SECONDS = 120.0
 #: Each worker's idle poll (``agent-txn worker --poll-seconds``).
 WORKER_POLL_SECONDS = 0.05
-#: The preparing engine's lease: short enough that a prepared saga is due at once.
-PREPARE_LEASE_SECONDS = 0.001
 
 
 @dataclass
@@ -402,30 +395,21 @@ def _read_counts(paths: list[Path]) -> list[WorkerCounts]:
 async def prepare_sagas(
     url: str, providers: list[Provider], count: int, concurrency: int
 ) -> tuple[int, int, int]:
-    """``count`` order sagas persisted and due, none of their effects attempted (see the module
-    doc), ``concurrency`` at a time; the preparing engine is abandoned after, as the process
-    that prepared would be. Returns its (commits, statements, rollbacks)."""
-    settings = EngineSettings(
-        worker_id=f"bench-prep-{uuid.uuid4().hex[:6]}", lease_seconds=PREPARE_LEASE_SECONDS
-    )
+    """``count`` order sagas enqueued for the workers (see the module doc), ``concurrency`` at
+    a time. Returns the enqueuing engine's (commits, statements, rollbacks)."""
+    settings = EngineSettings(worker_id=f"bench-prep-{uuid.uuid4().hex[:6]}")
     orch = await Orchestrator.open(url, providers=providers, settings=settings)
     saga = order_saga()
     await orch.register(saga)
     before = orch.store.stats.snapshot()
-    orch.crashpoints.arm("prepare.after_commit", times=None)
     next_index = 0
-    stray: list[str] = []
 
     async def one_lane() -> None:
         nonlocal next_index
         while next_index < count:
             i = next_index
             next_index += 1
-            try:
-                await orch.execute(saga, order(f"bench-{i}"))
-            except SimulatedCrash:
-                continue
-            stray.append(f"bench-{i}")
+            await orch.enqueue(saga, order(f"bench-{i}"))
 
     try:
         async with asyncio.TaskGroup() as group:
@@ -433,9 +417,7 @@ async def prepare_sagas(
                 group.create_task(one_lane())
         after = orch.store.stats.snapshot()
     finally:
-        await orch.abandon()
-    if stray:
-        raise RuntimeError(f"{len(stray)} sagas were not stopped after their prepare")
+        await orch.close()
     return (
         after.commits - before.commits,
         after.statements - before.statements,

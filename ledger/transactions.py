@@ -141,7 +141,7 @@ async def insert(
     definition_digest: str,
     saga_name: str,
     inputs: Mapping[str, Any],
-    owner: str,
+    owner: str | None,
     lease_ms: int,
     business_key: str | None = None,
     execution_id: str | None = None,
@@ -151,6 +151,8 @@ async def insert(
 ) -> TxClaim:
     """Persist a prepared transaction, leased to ``owner``; with ``start`` also move it to
     ``executing`` (one row, two ledger entries: prepare and start share the commit).
+
+    ``owner=None`` enqueues it: no lease, due at once, for whichever worker claims it first.
 
     With ``staged`` the plan is persisted unleased in ``staged``: nothing runs until a person
     confirms it (:func:`claim_staged`); recovery never picks it up."""
@@ -169,20 +171,24 @@ async def insert(
     status = TxState.EXECUTING if start else TxState.PREPARED
     if start:
         check_tx_transition(TxState.PREPARED, TxState.EXECUTING)
-    stmt = work.statement("transactions.insert_leased", _insert_leased)
+    if owner is None:
+        # Enqueued: no holder yet and due at once; the first worker's claim takes fence 1.
+        stmt: Insert = transactions.insert()
+        lease: dict[str, Any] = {"lease_owner": None, "lease_until": None, "fence": 0}
+    else:
+        stmt = work.statement("transactions.insert_leased", _insert_leased)
+        lease = {"lease_owner": owner, "p_lease_ms": lease_ms, "fence": 1}
     await work.conn.execute(
         stmt,
         {
+            **lease,
             "tx_id": tx_id,
             "definition_digest": definition_digest,
             "saga_name": saga_name,
             "business_key": business_key,
             "inputs": dict(inputs),
             "status": status.value,
-            "lease_owner": owner,
-            "p_lease_ms": lease_ms,
-            "fence": 1,
-            "attempts": 1,
+            "attempts": 1 if owner is not None else 0,
             "next_attempt_at": None,
             "error": None,
             "execution_id": execution_id,
@@ -195,11 +201,16 @@ async def insert(
         chain,
         action="prepare",
         to_state=TxState.PREPARED.value,
-        detail={"saga": saga_name, "definition": definition_digest, "owner": owner, "fence": 1},
+        detail={
+            "saga": saga_name,
+            "definition": definition_digest,
+            "owner": owner,
+            "fence": lease["fence"],
+        },
     )
     if start:
         work.log(chain, action="start", from_state=TxState.PREPARED.value, to_state=status.value)
-    return TxClaim(tx_id=tx_id, fence=1, status=status, owner=owner)
+    return TxClaim(tx_id=tx_id, fence=int(lease["fence"]), status=status, owner=owner or "")
 
 
 async def _insert_staged(

@@ -333,15 +333,9 @@ class Orchestrator:
         frozen into the template scope) and ``prepare_hook``, which writes its own rows (the
         execution record, the idempotency reservation) in the same local commit as the plan.
         """
-        definition = await self._resolve(saga)
-        if tx_id is not None and not keys.is_identifier(tx_id):
-            raise IdentifierInvalid(
-                "tx_id must be a non-blank identifier", details={"field": "tx_id"}
-            )
-        clean = definition.validate_inputs(inputs)
-        business_key = self._business_key(definition, clean)
-        tx_id = tx_id or uuid.uuid4().hex
-        planned = self._plan(definition, tx_id, clean, context)
+        definition, clean, business_key, tx_id, planned = await self._prepared(
+            saga, inputs, tx_id, context
+        )
         chain = Chain(tx_id)
         owner = self.settings.worker_id
         lease_ms = self.settings.lease_ms
@@ -397,6 +391,68 @@ class Orchestrator:
             log.info("lease lost during execute; another worker owns it", tx_id=tx_id)
             return await self.result(tx_id)
         return result_of(run)
+
+    async def enqueue(
+        self,
+        saga: Saga | str | SagaDefinition,
+        inputs: Mapping[str, Any],
+        *,
+        tx_id: str | None = None,
+    ) -> SagaResult:
+        """Persist ``saga`` for ``inputs`` and leave it to the workers; nothing is attempted here.
+
+        One local commit writes the transaction (``executing``, no lease, due at once) and
+        every step ``pending``: whichever worker claims it first applies the first step
+        directly, because a pending step is known never to have been sent (a saga handed over
+        by a process that died after claiming it is looked up first instead). Inputs, business
+        key and ``tx_id`` are checked as :meth:`execute` checks them, with the same idempotency:
+        the same ``tx_id`` and inputs return that transaction as it stands now.
+        """
+        definition, clean, business_key, tx_id, planned = await self._prepared(saga, inputs, tx_id)
+        chain = Chain(tx_id)
+        try:
+            async with self.store.transaction() as work:
+                await transactions.insert(
+                    work,
+                    chain,
+                    tx_id=tx_id,
+                    definition_digest=definition.digest,
+                    saga_name=definition.name,
+                    inputs=clean,
+                    owner=None,
+                    lease_ms=0,
+                    business_key=business_key,
+                )
+                await effects.insert(work, chain, EffectKind.OPERATION, planned)
+                self.crashpoints.hit("prepare.before_commit", tx_id=tx_id)
+        except DuplicateKey:
+            return await self._existing(tx_id, clean, business_key)
+        except StoreBusy as exc:
+            raise LockConflict() from exc
+        except StorageError as exc:
+            raise StoreUnavailableError() from exc
+        self.crashpoints.hit("prepare.after_commit", tx_id=tx_id)
+        return SagaResult(tx_id=tx_id, status=TxState.EXECUTING)
+
+    async def _prepared(
+        self,
+        saga: Saga | str | SagaDefinition,
+        inputs: Mapping[str, Any],
+        tx_id: str | None,
+        context: Mapping[str, Any] | None = None,
+    ) -> tuple[SagaDefinition, dict[str, Any], str | None, str, list[NewEffect]]:
+        """What every start checks before it writes: the definition, the inputs, the business
+        key, the transaction id and the keyed plan (payloads of input-only steps rendered)."""
+        definition = await self._resolve(saga)
+        if tx_id is not None and not keys.is_identifier(tx_id):
+            raise IdentifierInvalid(
+                "tx_id must be a non-blank identifier", details={"field": "tx_id"}
+            )
+        clean = definition.validate_inputs(inputs)
+        business_key = self._business_key(definition, clean)
+        tx_id = tx_id or uuid.uuid4().hex
+        planned = self._plan(definition, tx_id, clean, context)
+        return definition, clean, business_key, tx_id, planned
 
     # -- staged plans (a person confirms before anything runs) --------------------------------
 

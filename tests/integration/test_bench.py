@@ -166,6 +166,8 @@ async def test_bench_workers_memory_shops_add_up(db_urls: DbUrls, tmp_path: Path
 
     assert result.check.ok, result.check.problems
     assert result.check.counts["payments.charge"] == 12
+    # Enqueued sagas are applied without a lookup: reserve, charge, email — no fourth call.
+    assert result.provider_calls_per_saga == 3
 
 
 @pytest.mark.parametrize("backend", ["postgres"])

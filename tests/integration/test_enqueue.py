@@ -1,0 +1,97 @@
+"""``Orchestrator.enqueue``: the plan persisted for the workers, nothing attempted.
+
+What could break: an enqueued saga's first step looked up (or applied twice) by the worker
+that takes it, the same tx_id enqueued twice making two sagas, bad inputs leaving rows, two
+workers racing for the same enqueued saga. Effects are counted in the shop's own database.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from sqlalchemy import func, select
+
+from ledger.schema import operations, transactions
+from ledger.states import EffectState, TxState
+from orchestrator import errors
+from tests.support.sagas import order, order_saga
+from tests.support.world import World
+
+
+async def _rows(world: World) -> tuple[int, int]:
+    async with world.orch.store.read() as conn:
+        txs = (await conn.execute(select(func.count()).select_from(transactions))).scalar_one()
+        ops = (await conn.execute(select(func.count()).select_from(operations))).scalar_one()
+    return int(txs), int(ops)
+
+
+async def test_enqueue_persists_the_plan_in_one_commit_and_calls_nothing(world: World) -> None:
+    saga = order_saga()
+    await world.orch.register(saga)
+    before = world.orch.store.stats.snapshot()
+
+    queued = await world.orch.enqueue(saga, order("42"))
+
+    assert queued.status is TxState.EXECUTING
+    assert world.orch.store.stats.commits - before.commits == 1
+    assert await world.shop.calls() == []
+    view = await world.orch.get(queued.tx_id)
+    assert [op.state for op in view.operations] == [EffectState.PENDING, EffectState.PENDING]
+    assert await world.orch.verify_ledger() == []
+
+
+async def test_a_worker_applies_the_first_step_without_a_lookup(world: World) -> None:
+    queued = await world.orch.enqueue(order_saga(), order("42"))
+    worker = await world.engine()
+
+    await worker.drain(timeout_seconds=10)
+
+    assert (await worker.result(queued.tx_id)).status is TxState.COMMITTED
+    calls = [(c.call, c.action) for c in await world.shop.calls()]
+    # Pending means never sent: the worker applies at once, it looks nothing up.
+    assert [call for call, _ in calls] == ["apply", "apply", "apply"]
+    counts = await world.shop.counts()
+    assert (counts["inventory.reserve"], counts["payments.charge"], counts["email.send"]) == (
+        1,
+        1,
+        1,
+    )
+
+
+async def test_the_same_tx_id_enqueues_once(world: World) -> None:
+    first = await world.orch.enqueue(order_saga(), order("42"), tx_id="order-42")
+    again = await world.orch.enqueue(order_saga(), order("42"), tx_id="order-42")
+    assert again.tx_id == first.tx_id
+    assert await _rows(world) == (1, 2)
+    with pytest.raises(errors.IdempotencyPayloadMismatch):
+        await world.orch.enqueue(order_saga(), order("42", amount=999), tx_id="order-42")
+    await world.orch.drain(timeout_seconds=10)
+    assert (await world.shop.counts())["payments.charge"] == 1
+
+
+async def test_bad_inputs_are_refused_before_anything_is_written(world: World) -> None:
+    with pytest.raises(errors.InputInvalid):
+        await world.orch.enqueue(order_saga(), {"order_id": "42", "sku": "sku-1", "amount": "lots"})
+    with pytest.raises(errors.IdentifierInvalid):
+        await world.orch.enqueue(order_saga(), order("42"), tx_id="  ")
+    assert await _rows(world) == (0, 0)
+
+
+async def test_two_workers_share_enqueued_sagas_and_each_effect_happens_once(
+    world: World,
+) -> None:
+    queued = [await world.orch.enqueue(order_saga(), order(str(i))) for i in range(12)]
+    workers = [await world.engine(), await world.engine()]
+
+    await asyncio.gather(*(w.drain(timeout_seconds=20, limit=3) for w in workers))
+
+    for q in queued:
+        assert (await world.orch.result(q.tx_id)).status is TxState.COMMITTED
+    counts = await world.shop.counts()
+    assert (counts["inventory.reserve"], counts["payments.charge"], counts["email.send"]) == (
+        12,
+        12,
+        12,
+    )
+    assert not [c for c in await world.shop.calls() if c.call == "lookup"]
