@@ -15,7 +15,8 @@ What still goes to a thread, because it can *wait*:
   unless another process writes;
 * ``COMMIT`` under ``synchronous=FULL``/``EXTRA``: the fsync-class wait (and WAL
   auto-checkpoints). Under ``NORMAL``/``OFF`` a WAL commit appends without an fsync and stays
-  on the loop.
+  on the loop — including, every ~1000 WAL pages, SQLite's auto-checkpoint inside that commit
+  (a few milliseconds of writes, and an fsync of the database file, on the loop).
 
 A reader (``BEGIN DEFERRED`` that changed nothing) stays on the loop throughout: in WAL its BEGIN
 takes no lock and its COMMIT writes nothing.
