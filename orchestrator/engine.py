@@ -35,7 +35,7 @@ from tenacity import (
 
 from ledger import definitions, effects, events, transactions
 from ledger.canonical import NotCanonicalizable, fingerprint
-from ledger.effects import EffectKind, NewEffect
+from ledger.effects import Claim, EffectKind, NewEffect
 from ledger.errors import DuplicateKey, LeaseLost, SchemaOutdated, StorageError, StoreBusy
 from ledger.events import LedgerEntry, LedgerProblem
 from ledger.states import TX_TERMINAL, TxState
@@ -92,6 +92,17 @@ class RecoveryReport:
         self.errors += other.errors
         self.lease_lost += other.lease_lost
         self.tx_ids.extend(other.tx_ids)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """A start's checked inputs and keyed plan, before anything is written."""
+
+    definition: SagaDefinition
+    inputs: dict[str, Any]
+    business_key: str | None
+    tx_id: str
+    planned: list[NewEffect]
 
 
 class Orchestrator:
@@ -333,42 +344,20 @@ class Orchestrator:
         frozen into the template scope) and ``prepare_hook``, which writes its own rows (the
         execution record, the idempotency reservation) in the same local commit as the plan.
         """
-        definition, clean, business_key, tx_id, planned = await self._prepared(
-            saga, inputs, tx_id, context
+        plan = await self._prepared(saga, inputs, tx_id, context)
+        chain = Chain(plan.tx_id)
+        persisted = await self._persist(
+            plan,
+            chain,
+            start="leased",
+            execution_id=execution_id,
+            context=context,
+            prepare_hook=prepare_hook,
         )
-        chain = Chain(tx_id)
-        owner = self.settings.worker_id
-        lease_ms = self.settings.lease_ms
-        try:
-            async with self.store.transaction() as work:
-                if prepare_hook is not None:
-                    # First, so its row locks (the command row) serialise concurrent executes
-                    # before anything else is written.
-                    await prepare_hook(work)
-                txc = await transactions.insert(
-                    work,
-                    chain,
-                    tx_id=tx_id,
-                    definition_digest=definition.digest,
-                    saga_name=definition.name,
-                    inputs=clean,
-                    owner=owner,
-                    lease_ms=lease_ms,
-                    business_key=business_key,
-                    execution_id=execution_id,
-                    context=context,
-                )
-                first = await effects.insert(
-                    work, chain, EffectKind.OPERATION, planned, claim_first=(owner, lease_ms)
-                )
-                self.crashpoints.hit("prepare.before_commit", tx_id=tx_id)
-        except DuplicateKey:
-            return await self._existing(tx_id, clean, business_key)
-        except StoreBusy as exc:
-            raise LockConflict() from exc
-        except StorageError as exc:
-            raise StoreUnavailableError() from exc
-        self.crashpoints.hit("prepare.after_commit", tx_id=tx_id)
+        if isinstance(persisted, SagaResult):
+            return persisted
+        txc, first = persisted
+        definition, clean, tx_id, planned = plan.definition, plan.inputs, plan.tx_id, plan.planned
         ops = [
             planned_effect(EffectKind.OPERATION, n, first if i == 0 else None)
             for i, n in enumerate(planned)
@@ -408,31 +397,11 @@ class Orchestrator:
         key and ``tx_id`` are checked as :meth:`execute` checks them, with the same idempotency:
         the same ``tx_id`` and inputs return that transaction as it stands now.
         """
-        definition, clean, business_key, tx_id, planned = await self._prepared(saga, inputs, tx_id)
-        chain = Chain(tx_id)
-        try:
-            async with self.store.transaction() as work:
-                await transactions.insert(
-                    work,
-                    chain,
-                    tx_id=tx_id,
-                    definition_digest=definition.digest,
-                    saga_name=definition.name,
-                    inputs=clean,
-                    owner=None,
-                    lease_ms=0,
-                    business_key=business_key,
-                )
-                await effects.insert(work, chain, EffectKind.OPERATION, planned)
-                self.crashpoints.hit("prepare.before_commit", tx_id=tx_id)
-        except DuplicateKey:
-            return await self._existing(tx_id, clean, business_key)
-        except StoreBusy as exc:
-            raise LockConflict() from exc
-        except StorageError as exc:
-            raise StoreUnavailableError() from exc
-        self.crashpoints.hit("prepare.after_commit", tx_id=tx_id)
-        return SagaResult(tx_id=tx_id, status=TxState.EXECUTING)
+        plan = await self._prepared(saga, inputs, tx_id)
+        persisted = await self._persist(plan, Chain(plan.tx_id), start="enqueued")
+        if isinstance(persisted, SagaResult):
+            return persisted
+        return SagaResult(tx_id=plan.tx_id, status=TxState.EXECUTING)
 
     async def _prepared(
         self,
@@ -440,7 +409,7 @@ class Orchestrator:
         inputs: Mapping[str, Any],
         tx_id: str | None,
         context: Mapping[str, Any] | None = None,
-    ) -> tuple[SagaDefinition, dict[str, Any], str | None, str, list[NewEffect]]:
+    ) -> _Plan:
         """What every start checks before it writes: the definition, the inputs, the business
         key, the transaction id and the keyed plan (payloads of input-only steps rendered)."""
         definition = await self._resolve(saga)
@@ -452,7 +421,64 @@ class Orchestrator:
         business_key = self._business_key(definition, clean)
         tx_id = tx_id or uuid.uuid4().hex
         planned = self._plan(definition, tx_id, clean, context)
-        return definition, clean, business_key, tx_id, planned
+        return _Plan(definition, clean, business_key, tx_id, planned)
+
+    async def _persist(
+        self,
+        plan: _Plan,
+        chain: Chain,
+        *,
+        start: Literal["leased", "enqueued", "staged"],
+        execution_id: str | None = None,
+        context: Mapping[str, Any] | None = None,
+        prepare_hook: PrepareHook | None = None,
+    ) -> tuple[transactions.TxClaim, Claim | None] | SagaResult:
+        """The one local commit that makes a plan durable, before anything is sent.
+
+        ``leased``: this engine holds the transaction and its first step is claimed in the same
+        commit (:meth:`execute`); ``enqueued``: no lease, every step pending, for the workers;
+        ``staged``: waiting for a person's confirmation, never recovered. A transaction that
+        already exists under this id (or business key) answers as it stands now."""
+        owner = self.settings.worker_id if start == "leased" else None
+        lease_ms = self.settings.lease_ms
+        try:
+            async with self.store.transaction() as work:
+                if prepare_hook is not None:
+                    # First, so its row locks (the command row) serialise concurrent executes
+                    # before anything else is written.
+                    await prepare_hook(work)
+                txc = await transactions.insert(
+                    work,
+                    chain,
+                    tx_id=plan.tx_id,
+                    definition_digest=plan.definition.digest,
+                    saga_name=plan.definition.name,
+                    inputs=plan.inputs,
+                    owner=owner,
+                    lease_ms=lease_ms,
+                    business_key=plan.business_key,
+                    execution_id=execution_id,
+                    context=context,
+                    staged=start == "staged",
+                )
+                first = await effects.insert(
+                    work,
+                    chain,
+                    EffectKind.OPERATION,
+                    plan.planned,
+                    claim_first=(owner, lease_ms) if owner is not None else None,
+                )
+                if start != "staged":
+                    self.crashpoints.hit("prepare.before_commit", tx_id=plan.tx_id)
+        except DuplicateKey:
+            return await self._existing(plan.tx_id, plan.inputs, plan.business_key)
+        except StoreBusy as exc:
+            raise LockConflict() from exc
+        except StorageError as exc:
+            raise StoreUnavailableError() from exc
+        if start != "staged":
+            self.crashpoints.hit("prepare.after_commit", tx_id=plan.tx_id)
+        return txc, first
 
     # -- staged plans (a person confirms before anything runs) --------------------------------
 
@@ -470,38 +496,16 @@ class Orchestrator:
 
         Nothing is sent and recovery never picks it up; :meth:`execute_staged` runs exactly this
         plan once, :meth:`release_staged` retires it."""
-        definition = await self._resolve(saga)
-        clean = definition.validate_inputs(inputs)
-        business_key = self._business_key(definition, clean)
-        tx_id = tx_id or uuid.uuid4().hex
-        planned = self._plan(definition, tx_id, clean, context)
-        chain = Chain(tx_id)
-        try:
-            async with self.store.transaction() as work:
-                if prepare_hook is not None:
-                    await prepare_hook(work)
-                await transactions.insert(
-                    work,
-                    chain,
-                    tx_id=tx_id,
-                    definition_digest=definition.digest,
-                    saga_name=definition.name,
-                    inputs=clean,
-                    owner="",
-                    lease_ms=0,
-                    business_key=business_key,
-                    execution_id=execution_id,
-                    context=context,
-                    staged=True,
-                )
-                await effects.insert(work, chain, EffectKind.OPERATION, planned)
-        except DuplicateKey:
-            return (await self._existing(tx_id, clean, business_key)).tx_id
-        except StoreBusy as exc:
-            raise LockConflict() from exc
-        except StorageError as exc:
-            raise StoreUnavailableError() from exc
-        return tx_id
+        plan = await self._prepared(saga, inputs, tx_id, context)
+        persisted = await self._persist(
+            plan,
+            Chain(plan.tx_id),
+            start="staged",
+            execution_id=execution_id,
+            context=context,
+            prepare_hook=prepare_hook,
+        )
+        return persisted.tx_id if isinstance(persisted, SagaResult) else plan.tx_id
 
     async def execute_staged(
         self,
