@@ -350,10 +350,12 @@ async def insert(
         stmt = work.statement(
             ("effects.insert_claimed", kind), lambda now: _insert_claimed(now, kind)
         )
-        await work.conn.execute(stmt, first_row)
+        await work.execute(stmt, first_row)
         plain = rows[1:]
     if plain:
-        await work.conn.execute(table.insert(), plain)
+        await work.execute_many(
+            work.statement(("effects.insert", kind), lambda _now: table.insert()), plain
+        )
     for e in new:
         work.log(
             chain,
@@ -487,7 +489,7 @@ async def record(
         ("effects.record", claim_.kind, shape),
         lambda now: _record_statement(claim_.kind, now, *shape),
     )
-    if (await work.conn.execute(stmt, params)).rowcount != 1:
+    if await work.execute(stmt, params) != 1:
         raise LeaseLost(f"{claim_.kind.value} {claim_.key}", claim_.fence)
     log_detail: dict[str, Any] = {"fence": claim_.fence, **(detail or {})}
     if remote_id is not None:

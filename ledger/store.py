@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar, cast
@@ -30,6 +30,7 @@ from sqlalchemy.sql.elements import ColumnElement
 from ledger import dialects
 from ledger.canonical import canonical_json, sha256_hex
 from ledger.errors import DuplicateKey, LeaseLost, StoreUnavailable
+from ledger.hot import HotPath
 from ledger.schema import ledger as ledger_table
 
 GENESIS_HASH = "0" * 64
@@ -78,6 +79,12 @@ class LedgerRow:
     hash: str
 
 
+def _ledger_insert(_now: ColumnElement[int]) -> Executable:
+    # inline(): no implicit RETURNING of the generated ``seq`` (nothing reads it back), which
+    # keeps the statement on the hot path (ledger/hot.py) on PostgreSQL too.
+    return insert(ledger_table).inline()
+
+
 def ledger_hash(
     prev_hash: str,
     tx_id: str,
@@ -112,6 +119,16 @@ class Work:
         """The store's cached statement for ``key`` (see :meth:`Store.statement`)."""
         return self.store.statement(key, build)
 
+    async def execute(self, stmt: Executable, params: Mapping[str, Any]) -> int:
+        """Run a DML statement without ``RETURNING`` (a cached one: :meth:`statement`); the
+        number of rows it changed. On SQLite it skips SQLAlchemy's execute path
+        (:mod:`ledger.hot`)."""
+        return await self.store.hot.execute(self.conn, stmt, params)
+
+    async def execute_many(self, stmt: Executable, rows: Sequence[Mapping[str, Any]]) -> None:
+        """Run a DML statement once per row of ``rows`` (one key set), as one driver call."""
+        await self.store.hot.execute_many(self.conn, stmt, rows)
+
     def log(
         self,
         chain: Chain,
@@ -139,8 +156,8 @@ class Work:
         """Write the buffered ledger rows in one statement."""
         if not self._rows:
             return
-        await self.conn.execute(
-            insert(ledger_table),
+        await self.execute_many(
+            self.statement("ledger.insert", _ledger_insert),
             [
                 {
                     "tx_id": r.tx_id,
@@ -220,7 +237,11 @@ class Store:
         self._write_lock = asyncio.Lock() if self.dialect == "sqlite" else None
         self._statements: dict[tuple[Hashable, int], Executable] = {}
         self._group: CommitGroup | None = None
+        self.hot = HotPath(engine.sync_engine.dialect, self._count_statement)
         self._install_counters()
+
+    def _count_statement(self) -> None:
+        self.stats.statements += 1
 
     @classmethod
     async def open(
@@ -359,14 +380,20 @@ class Store:
                 group.committer = asyncio.ensure_future(self._commit_group(group))
             else:
                 work = Work(conn=group.conn, store=self, now_ms=self.now_ms())
-                savepoint = await group.conn.begin_nested()
+                # One name serves every member: each releases its savepoint before the next
+                # member gets the lock. Written by the store itself rather than through
+                # ``begin_nested()``, which compiles both statements again on every call.
+                await self.hot.driver_sql(group.conn, "SAVEPOINT agent_txn_member")
                 try:
                     yield work
                     await work.flush()
-                    await savepoint.commit()
+                    await self.hot.driver_sql(group.conn, "RELEASE SAVEPOINT agent_txn_member")
                 except BaseException:
                     try:
-                        await savepoint.rollback()
+                        await self.hot.driver_sql(
+                            group.conn, "ROLLBACK TO SAVEPOINT agent_txn_member"
+                        )
+                        await self.hot.driver_sql(group.conn, "RELEASE SAVEPOINT agent_txn_member")
                     except BaseException:
                         group.poisoned = True  # the outer transaction is gone with it
                     raise

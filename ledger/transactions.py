@@ -173,12 +173,12 @@ async def insert(
         check_tx_transition(TxState.PREPARED, TxState.EXECUTING)
     if owner is None:
         # Enqueued: no holder yet and due at once; the first worker's claim takes fence 1.
-        stmt: Insert = transactions.insert()
+        stmt: Insert = work.statement("transactions.insert", lambda _now: transactions.insert())
         lease: dict[str, Any] = {"lease_owner": None, "lease_until": None, "fence": 0}
     else:
         stmt = work.statement("transactions.insert_leased", _insert_leased)
         lease = {"lease_owner": owner, "p_lease_ms": lease_ms, "fence": 1}
-    await work.conn.execute(
+    await work.execute(
         stmt,
         {
             **lease,
@@ -394,7 +394,7 @@ async def transition(
         ("transactions.transition", error_change, drop_lease, schedule),
         lambda now: _transition_statement(now, error_change, drop_lease, schedule),
     )
-    if (await work.conn.execute(stmt, params)).rowcount != 1:
+    if await work.execute(stmt, params) != 1:
         raise LeaseLost(f"transaction {txc.tx_id}", txc.fence)
     for index, (a, b) in enumerate(pairwise(path)):
         last = index == len(path) - 2

@@ -1,0 +1,187 @@
+"""Hot-path DML run straight on the driver connection, compiled by SQLAlchemy once.
+
+Why: SQLAlchemy's Core execute path (cache-key lookup, execution context, parameter processing,
+result set-up, events, the greenlet hop into the async adapter) costs about 25 µs of client CPU
+per statement on SQLite and 35 µs on top of asyncpg's own work on PostgreSQL here, while the
+statement itself (an ``UPDATE`` by primary key, or a row appended, on a SQLite file whose write
+lock is held) costs 1 to 5 µs. A saga runs about a dozen such statements, so that layer was a
+third of the engine's CPU per saga on SQLite (``docs/benchmarks.md``).
+
+What stays exactly as through SQLAlchemy: the SQL text, the positional parameter order, the bind
+processors of every typed column (JSON) and the constants bound inside the statement all come
+from SQLAlchemy's own compilation of the same statement object, done once per statement and
+parameter key set. A driver error is handed to SQLAlchemy's own error handler
+(``Connection._handle_dbapi_exception``), so it is wrapped in the same exception classes (what
+:func:`ledger.dialects.translate` reads) and a lost connection is invalidated as it would be.
+The store's statement counter still counts each statement.
+
+What is eligible (anything else goes through SQLAlchemy unchanged, decided once per compiled
+form): a DML statement with no ``RETURNING``, no Python-side column defaults to pre-execute, and
+no expanding (``IN``) or post-compile parameters, i.e. exactly the statements whose execution
+SQLAlchemy does nothing with but pass the parameters and read the row count. Only two drivers
+take this path: :mod:`ledger.sqlite_inline` connections, whose statements already run on the
+event loop (the driver call is a plain function call), and asyncpg, through the connection
+SQLAlchemy's adapter wraps (beginning the transaction the way the adapter does, lazily, before
+the first statement). aiosqlite connections (in-memory and query-string URLs) keep SQLAlchemy's
+path. The adapter attributes used (``_started``, ``_start_transaction``, ``_handle_exception``)
+are private to SQLAlchemy 2.0's asyncpg dialect: ``pyproject.toml`` holds SQLAlchemy below 2.1,
+and ``tests/integration/test_hot_path.py`` exercises every one of them on both backends.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, NoReturn, cast
+
+import asyncpg
+from sqlalchemy.engine.interfaces import Dialect
+from sqlalchemy.ext.asyncio import AsyncConnection
+from sqlalchemy.sql import Executable
+from sqlalchemy.sql.compiler import SQLCompiler
+
+from ledger.sqlite_inline import InlineConnection
+
+
+@dataclass(frozen=True, slots=True)
+class Compiled:
+    """One statement's SQL and how to turn a parameter mapping into its positional arguments."""
+
+    sql: str
+    compiled: SQLCompiler
+    names: tuple[str, ...]
+    processors: tuple[Callable[[Any], Any] | None, ...]
+
+    def arguments(self, params: Mapping[str, Any]) -> tuple[Any, ...]:
+        values = self.compiled.construct_params(params, _check=False)
+        return tuple(
+            values[name] if proc is None else proc(values[name])
+            for name, proc in zip(self.names, self.processors, strict=True)
+        )
+
+
+def _compile(stmt: Executable, dialect: Dialect, keys: tuple[str, ...]) -> Compiled | None:
+    compiled = stmt.compile(dialect=dialect, column_keys=list(keys))  # type: ignore[attr-defined]
+    assert isinstance(compiled, SQLCompiler)
+    eligible = (compiled.isinsert or compiled.isupdate or compiled.isdelete) and not (
+        compiled.effective_returning
+        or compiled.insert_prefetch
+        or compiled.update_prefetch
+        or compiled.literal_execute_params
+        or compiled.post_compile_params
+        or any(b.expanding for b in compiled.binds.values())
+        or compiled.positiontup is None
+    )
+    if not eligible:
+        return None
+    names = tuple(compiled.positiontup or ())
+    processors = cast(Mapping[str, Callable[[Any], Any]], compiled._bind_processors)
+    return Compiled(compiled.string, compiled, names, tuple(processors.get(n) for n in names))
+
+
+class HotPath:
+    """The per-store cache of compiled hot statements, and their execution."""
+
+    def __init__(self, dialect: Dialect, count: Callable[[], None]) -> None:
+        self._dialect = dialect
+        self._count = count
+        # (id of the statement object, parameter keys) -> compiled form, or None if ineligible.
+        # The statement objects are the store's cached ones, alive as long as the store; the
+        # entry holds the statement too, so an id is never reused while it is here.
+        self._compiled: dict[tuple[int, tuple[str, ...]], tuple[Executable, Compiled | None]] = {}
+
+    def _lookup(self, stmt: Executable, keys: tuple[str, ...]) -> Compiled | None:
+        entry = self._compiled.get((id(stmt), keys))
+        if entry is None:
+            entry = self._compiled[(id(stmt), keys)] = (stmt, _compile(stmt, self._dialect, keys))
+        return entry[1]
+
+    async def execute(
+        self, conn: AsyncConnection, stmt: Executable, params: Mapping[str, Any]
+    ) -> int:
+        """Run ``stmt`` once; the number of rows it changed."""
+        fairy: Any = conn.sync_connection.connection  # type: ignore[union-attr]
+        driver = fairy.driver_connection
+        compiled = None
+        if isinstance(driver, (InlineConnection, asyncpg.Connection)):
+            compiled = self._lookup(stmt, tuple(params))
+        if compiled is None:
+            return (await conn.execute(stmt, dict(params))).rowcount
+        args = compiled.arguments(params)
+        self._count()
+        try:
+            if isinstance(driver, InlineConnection):
+                return driver._conn.execute(compiled.sql, args).rowcount
+            adapted = fairy.dbapi_connection
+            if not adapted._started:  # SQLAlchemy's asyncpg adapter begins lazily, as here
+                await adapted._start_transaction()
+            return _rowcount(await driver.execute(compiled.sql, *args))
+        except Exception as exc:
+            await _raise_as_sqlalchemy(conn, exc, compiled.sql, args)
+
+    async def execute_many(
+        self, conn: AsyncConnection, stmt: Executable, rows: Sequence[Mapping[str, Any]]
+    ) -> None:
+        """Run ``stmt`` for each of ``rows`` (which share one key set), as one driver call."""
+        if not rows:
+            return
+        fairy: Any = conn.sync_connection.connection  # type: ignore[union-attr]
+        driver = fairy.driver_connection
+        compiled = None
+        if isinstance(driver, (InlineConnection, asyncpg.Connection)):
+            compiled = self._lookup(stmt, tuple(rows[0]))
+        if compiled is None:
+            await conn.execute(stmt, [dict(r) for r in rows])
+            return
+        args = [compiled.arguments(r) for r in rows]
+        self._count()
+        try:
+            if isinstance(driver, InlineConnection):
+                driver._conn.executemany(compiled.sql, args)
+                return
+            adapted = fairy.dbapi_connection
+            if not adapted._started:
+                await adapted._start_transaction()
+            await driver.executemany(compiled.sql, args)
+        except Exception as exc:
+            await _raise_as_sqlalchemy(conn, exc, compiled.sql, args)
+
+    async def driver_sql(self, conn: AsyncConnection, sql: str) -> None:
+        """A parameterless statement the store writes itself (SQLite savepoints)."""
+        driver: Any = conn.sync_connection.connection.driver_connection  # type: ignore[union-attr]
+        if not isinstance(driver, InlineConnection):
+            await conn.exec_driver_sql(sql)
+            return
+        self._count()
+        try:
+            driver._conn.execute(sql)
+        except Exception as exc:
+            await _raise_as_sqlalchemy(conn, exc, sql, ())
+
+
+def _rowcount(status: str) -> int:
+    # asyncpg answers with the command tag: "UPDATE 1", "DELETE 0", "INSERT 0 1".
+    tail = status.rsplit(" ", 1)[-1]
+    return int(tail) if tail.isdigit() else -1
+
+
+async def _raise_as_sqlalchemy(
+    conn: AsyncConnection, exc: Exception, sql: str, args: Any
+) -> NoReturn:
+    """Hand a driver error to SQLAlchemy's own handler, as if it had run the statement: the
+    error is wrapped in its exception classes (what :func:`ledger.dialects.translate` reads),
+    and a lost connection is invalidated — the pool's other connections with it."""
+    adapted: Any = conn.sync_connection.connection.dbapi_connection  # type: ignore[union-attr]
+    error: BaseException = exc
+    if hasattr(adapted, "_handle_exception") and not isinstance(exc, sqlite3.Error):
+        try:
+            adapted._handle_exception(exc)  # asyncpg's classes -> the adapter's DBAPI classes
+        except Exception as translated:
+            error = translated
+
+    def handle(sync_conn: Any) -> None:
+        sync_conn._handle_dbapi_exception(error, sql, args, None, None)
+
+    await conn.run_sync(handle)
+    raise error  # not reached: SQLAlchemy's handler always raises

@@ -1,0 +1,172 @@
+"""Hot-path DML on the driver connection (ledger/hot.py), against SQLAlchemy's own path.
+
+What could break: a statement taking the hot path with different SQL, parameters or JSON
+encoding than SQLAlchemy would have used (checked by reading rows back through SQLAlchemy on
+both backends); a driver error escaping untranslated (a duplicate key must still be
+:class:`DuplicateKey`, a stale ledger head still :class:`LeaseLost`); an ineligible statement
+(``RETURNING``, a Python-side default) taking the hot path; the statement counter missing the
+hot statements; and — a cost — the hot statements of a saga quietly falling back to
+SQLAlchemy's execute path on SQLite.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from sqlalchemy import Column, Integer, MetaData, String, Table, event, insert, select, text, update
+
+from ledger import definitions, events, transactions
+from ledger.errors import DuplicateKey, LeaseLost, StoreUnavailable
+from ledger.hot import _compile
+from ledger.schema import ledger as ledger_table
+from ledger.states import TxState
+from ledger.store import Chain, Store
+from tests.conftest import DbUrls, _pg_execute
+
+DIGEST = "d" * 64
+
+
+@pytest.fixture
+async def store(db_urls: DbUrls) -> AsyncIterator[Store]:
+    store = await Store.open(db_urls.store)
+    async with store.transaction() as work:
+        await definitions.put(work, digest=DIGEST, name="hot", definition={"name": "hot"})
+    try:
+        yield store
+    finally:
+        await store.close()
+
+
+def _cursor_events(store: Store) -> list[str]:
+    """Statements that went through SQLAlchemy's execute path (its cursor events)."""
+    seen: list[str] = []
+
+    def on_execute(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
+        if not statement.startswith(("BEGIN", "PRAGMA", "COMMIT")):
+            seen.append(statement)
+
+    event.listen(store.engine.sync_engine, "before_cursor_execute", on_execute)
+    return seen
+
+
+async def _insert_tx(store: Store, tx_id: str, inputs: dict[str, Any]) -> transactions.TxClaim:
+    async with store.transaction() as work:
+        return await transactions.insert(
+            work,
+            Chain(tx_id),
+            tx_id=tx_id,
+            definition_digest=DIGEST,
+            saga_name="hot",
+            inputs=inputs,
+            owner="w1",
+            lease_ms=30_000,
+            context={"nested": {"k": [1, "two", None]}},
+        )
+
+
+async def test_hot_writes_read_back_as_sqlalchemy_wrote_them(store: Store) -> None:
+    inputs = {"amount": 1200, "note": 'für Ω "quoted"', "list": [1, 2.5, None, True]}
+    txc = await _insert_tx(store, "tx-hot-1", inputs)
+    async with store.transaction() as work:
+        chain = await events.chain_of(work.conn, "tx-hot-1")
+        await transactions.transition(
+            work, chain, txc, TxState.FAILED, action="fail", error={"code": "x", "n": 1}
+        )
+    async with store.read() as conn:
+        record = await transactions.get(conn, "tx-hot-1")
+        rows = (await conn.execute(select(ledger_table.c.action, ledger_table.c.to_state))).all()
+    assert record is not None
+    assert record.inputs == inputs
+    assert record.context == {"nested": {"k": [1, "two", None]}}
+    assert record.status is TxState.FAILED
+    assert record.error == {"code": "x", "n": 1}
+    assert record.lease_owner is None and record.fence == 1
+    assert [tuple(r) for r in rows] == [
+        ("prepare", "prepared"),
+        ("start", "executing"),
+        ("fail", "failed"),
+    ]
+
+
+async def test_a_duplicate_key_on_the_hot_path_is_still_duplicate_key(store: Store) -> None:
+    await _insert_tx(store, "tx-dup", {})
+    with pytest.raises(DuplicateKey):
+        await _insert_tx(store, "tx-dup", {})
+    async with store.read() as conn:
+        assert len(await events.read(conn, "tx-dup")) == 2  # nothing of the second attempt
+
+
+async def test_a_stale_chain_head_on_the_hot_path_is_still_lease_lost(store: Store) -> None:
+    txc = await _insert_tx(store, "tx-stale", {})
+    stale = Chain("tx-stale")  # genesis head: the ledger already has two rows after it
+    with pytest.raises(LeaseLost):
+        async with store.transaction() as work:
+            await transactions.transition(work, stale, txc, TxState.FAILED, action="fail")
+    async with store.read() as conn:
+        record = await transactions.get(conn, "tx-stale")
+    assert record is not None and record.status is TxState.EXECUTING  # rolled back whole
+
+
+async def test_a_fenced_write_that_matches_no_row_reports_zero(store: Store) -> None:
+    txc = await _insert_tx(store, "tx-fence", {})
+    wrong = transactions.TxClaim("tx-fence", txc.fence + 1, txc.status, txc.owner)
+    with pytest.raises(LeaseLost):
+        async with store.transaction() as work:
+            chain = await events.chain_of(work.conn, "tx-fence")
+            await transactions.transition(work, chain, wrong, TxState.FAILED, action="fail")
+
+
+async def test_hot_statements_are_counted_and_skip_sqlalchemys_execute_path(store: Store) -> None:
+    seen = _cursor_events(store)
+    before = store.stats.snapshot()
+    txc = await _insert_tx(store, "tx-count", {"a": 1})
+    async with store.transaction() as work:
+        chain = await events.chain_of(work.conn, "tx-count")
+        await transactions.transition(work, chain, txc, TxState.FAILED, action="fail")
+    counted = store.stats.statements - before.statements
+    # insert, ledger rows; the chain's read, transition, ledger row
+    assert counted == 5
+    # Every write went to the driver directly; only the chain's read used SQLAlchemy's path.
+    assert [s for s in seen if "SELECT" not in s] == []
+    assert len(seen) == 1
+
+
+async def test_a_connection_lost_under_a_hot_statement_is_unavailable_and_replaced(
+    store: Store, backend: str
+) -> None:
+    if backend != "postgres":
+        pytest.skip("a SQLite file has no server connection to lose")
+    txc = await _insert_tx(store, "tx-lost", {})
+    with pytest.raises(StoreUnavailable):
+        async with store.transaction() as work:
+            chain = await events.chain_of(work.conn, "tx-lost")
+            pid = (await work.conn.execute(text("SELECT pg_backend_pid()"))).scalar_one()
+            await _pg_execute(f"SELECT pg_terminate_backend({int(pid)})")
+            await transactions.transition(work, chain, txc, TxState.FAILED, action="fail")
+    # SQLAlchemy invalidated the connection (and the pool's older ones): the next one is new.
+    async with store.read() as conn:
+        record = await transactions.get(conn, "tx-lost")
+    assert record is not None and record.status is TxState.EXECUTING
+
+
+_meta = MetaData()
+_defaulted = Table(
+    "defaulted",
+    _meta,
+    Column("id", Integer, primary_key=True, autoincrement=False),
+    Column("v", String(8), default="dflt"),
+    Column("w", String(8), onupdate="upd"),
+)
+
+
+def test_only_statements_sqlalchemy_does_nothing_with_are_eligible(store: Store) -> None:
+    dialect = store.engine.sync_engine.dialect
+    assert _compile(insert(_defaulted), dialect, ("id", "v")) is not None
+    # A Python-side default SQLAlchemy would fill in, an onupdate, or RETURNING rows: not hot.
+    assert _compile(insert(_defaulted), dialect, ("id",)) is None
+    assert _compile(update(_defaulted).values(v="x"), dialect, ()) is None
+    returning = insert(_defaulted).returning(_defaulted.c.id)
+    assert _compile(returning, dialect, ("id", "v", "w")) is None
+    assert _compile(select(_defaulted.c.id), dialect, ()) is None
