@@ -90,26 +90,63 @@ def create_engine(
     return engine
 
 
+#: A connection returned to the pool this recently is not pinged at its next checkout
+#: (HikariCP's ``aliveBypassWindowMs`` has the same default and reason).
+PING_BYPASS_SECONDS = 0.5
+
+
+def _bare_ping(dbapi_connection: Any) -> None:
+    dbapi_connection.run_async(lambda driver: driver.fetchrow(";"))
+
+
 def _ping_in_one_round_trip(engine: AsyncEngine) -> None:
-    """Pre-ping with one round trip instead of three.
+    """Pre-ping with one round trip instead of three, and none for a connection that was in use
+    half a second ago.
 
     SQLAlchemy's asyncpg ping wraps ``;`` in ``BEGIN`` … ``ROLLBACK`` (for pgbouncer's
     transaction mode), three round trips on every checkout, i.e. on every local transaction:
     a quarter of a saga's round trips. We send the bare ``;`` through the documented
     ``AdaptedConnection.run_async``; if that fails for any reason the dialect's own ping runs,
     so a dead connection is still reported the way the pool expects (translated, then
-    recycled)."""
+    recycled).
+
+    A connection checked in less than :data:`PING_BYPASS_SECONDS` ago is handed out unpinged:
+    a busy engine checks connections out hundreds of times a second, and the ping then costs a
+    sixth of a saga's round trips while proving only what the last transaction just proved.
+    What this gives up: if the server dropped that connection within the window (a restart
+    that completed in under half a second, or an administrator's ``pg_terminate_backend``),
+    the next transaction on it fails as :class:`~ledger.errors.StoreUnavailable` instead of
+    being rerouted by the ping. That transaction had written nothing, it is the same error a
+    drop *during* a transaction gives (which no ping can prevent), and the pool discards the
+    dead connection — together with every other connection it gave out before — so the one
+    after it reconnects."""
     dialect = engine.sync_engine.dialect
     own_ping = dialect.do_ping
+    # id(dbapi connection) -> when it was last checked in (the adapted asyncpg connection has
+    # __slots__ and no __weakref__, so it cannot carry the stamp itself).
+    returned_at: dict[int, float] = {}
 
     def do_ping(dbapi_connection: Any) -> bool:
+        last = returned_at.pop(id(dbapi_connection), None)
+        if last is not None and time.monotonic() - last < PING_BYPASS_SECONDS:
+            return True
         try:
-            dbapi_connection.run_async(lambda driver: driver.fetchrow(";"))
+            _bare_ping(dbapi_connection)
         except Exception:
             return own_ping(dbapi_connection)
         return True
 
+    def on_checkin(dbapi_connection: Any, _record: Any) -> None:
+        if dbapi_connection is not None:
+            returned_at[id(dbapi_connection)] = time.monotonic()
+
+    def on_gone(dbapi_connection: Any, *_args: Any) -> None:
+        returned_at.pop(id(dbapi_connection), None)
+
     dialect.do_ping = do_ping  # type: ignore[method-assign]
+    event.listen(engine.sync_engine.pool, "checkin", on_checkin)
+    for name in ("invalidate", "soft_invalidate", "close", "close_detached"):
+        event.listen(engine.sync_engine.pool, name, on_gone)
 
 
 def _sqlite_engine(url: str, synchronous: str, busy_timeout_ms: int) -> AsyncEngine:
@@ -148,9 +185,26 @@ def _sqlite_engine(url: str, synchronous: str, busy_timeout_ms: int) -> AsyncEng
     @event.listens_for(engine.sync_engine, "begin")
     def _on_begin(conn: Connection) -> None:
         read_only = conn.get_execution_options().get(READ_ONLY_OPTION, False)
-        conn.exec_driver_sql("BEGIN DEFERRED" if read_only else "BEGIN IMMEDIATE")
+        conn.connection.info[_BEGIN_KEY] = "BEGIN DEFERRED" if read_only else "BEGIN IMMEDIATE"
 
+    def do_begin(dbapi_connection: Any) -> None:
+        # The dialect's own begin is a no-op for the driver (isolation_level None): SQLite's
+        # BEGIN is ours to write. Written here on the driver's cursor rather than by
+        # ``exec_driver_sql`` in the event (a whole SQLAlchemy execute per transaction); an
+        # error here is wrapped and translated like any statement's (StoreBusy on a lock).
+        cursor = dbapi_connection.cursor()
+        try:
+            cursor.execute(dbapi_connection.info.pop(_BEGIN_KEY, "BEGIN IMMEDIATE"))
+        finally:
+            cursor.close()
+
+    engine.sync_engine.dialect.do_begin = do_begin  # type: ignore[method-assign]
     return engine
+
+
+#: Where the begin event leaves the BEGIN statement for ``do_begin`` (the pooled connection's
+#: ``info``; the event sees the execution options, ``do_begin`` only the connection).
+_BEGIN_KEY = "agent_txn_begin"
 
 
 def _enable_wal(cursor: Any, busy_timeout_ms: int) -> None:

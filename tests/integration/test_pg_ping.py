@@ -1,0 +1,90 @@
+"""The PostgreSQL pre-ping and its bypass window (ledger/dialects.py: _ping_in_one_round_trip).
+
+PostgreSQL only: SQLite has no server to lose. What could break: a connection whose backend
+was killed while it sat in the pool being handed out after the window without a ping (the
+transaction would fail instead of being rerouted); a connection used a moment ago being pinged
+anyway (the round trip the window exists to save); and, inside the window, a dead connection
+failing anything but the one transaction that met it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+from sqlalchemy import text
+
+from ledger import dialects
+from ledger.errors import StoreUnavailable
+from ledger.store import Store
+from tests.conftest import DbUrls, _pg_execute
+
+
+@pytest.fixture
+def backend() -> str:  # overrides the parametrized fixture: this file is PostgreSQL's alone
+    from tests.conftest import require_pg
+
+    require_pg()
+    return "postgres"
+
+
+@pytest.fixture
+async def store(db_urls: DbUrls) -> AsyncIterator[Store]:
+    store = await Store.open(db_urls.store)
+    try:
+        yield store
+    finally:
+        await store.close()
+
+
+async def _backend_pid(store: Store) -> int:
+    async with store.transaction() as work:
+        return int((await work.conn.execute(text("SELECT pg_backend_pid()"))).scalar_one())
+
+
+def _count_pings(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count the pings that reach the server."""
+    count = [0]
+    ping = dialects._bare_ping
+
+    def counting(dbapi_connection: object) -> None:
+        count[0] += 1
+        ping(dbapi_connection)
+
+    monkeypatch.setattr(dialects, "_bare_ping", counting)
+    return count
+
+
+async def test_a_connection_used_a_moment_ago_is_not_pinged_but_an_idle_one_is(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pings = _count_pings(monkeypatch)
+    await _backend_pid(store)
+    first = pings[0]  # the pool's first connection may or may not be pinged; not the point
+    for _ in range(5):
+        await _backend_pid(store)  # back to back: each checkout finds a stamp < 0.5 s old
+    assert pings[0] == first
+    monkeypatch.setattr(dialects, "PING_BYPASS_SECONDS", 0.0)  # as if it sat idle
+    await _backend_pid(store)
+    assert pings[0] == first + 1
+
+
+async def test_after_the_window_a_killed_backend_is_rerouted_by_the_ping(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(dialects, "PING_BYPASS_SECONDS", 0.0)
+    pid = await _backend_pid(store)
+    await _pg_execute(f"SELECT pg_terminate_backend({pid})")
+    # The ping finds the dead connection; the pool reconnects; the transaction never notices.
+    assert await _backend_pid(store) != pid
+
+
+async def test_inside_the_window_a_killed_backend_fails_one_transaction_only(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(dialects, "PING_BYPASS_SECONDS", 3600.0)
+    pid = await _backend_pid(store)
+    await _pg_execute(f"SELECT pg_terminate_backend({pid})")
+    with pytest.raises(StoreUnavailable):
+        await _backend_pid(store)
+    assert await _backend_pid(store) != pid
