@@ -237,6 +237,10 @@ class Store:
         self._write_lock = asyncio.Lock() if self.dialect == "sqlite" else None
         self._statements: dict[tuple[Hashable, int], Executable] = {}
         self._group: CommitGroup | None = None
+        # SQLite: the writer connection, kept between commit groups. Checking a connection out
+        # of the pool and back in (with its reset) for every local transaction cost more client
+        # CPU than the transaction's SQL (the bench's profile); SQLite has one writer anyway.
+        self._writer: AsyncConnection | None = None
         self.hot = HotPath(engine.sync_engine.dialect, self._count_statement)
         self._install_counters()
 
@@ -359,11 +363,13 @@ class Store:
         async with self._write_lock:
             group = self._group
             if group is None:
-                conn = await self.engine.connect()
+                conn, self._writer = self._writer, None
+                if conn is None or conn.closed or conn.invalidated:
+                    conn = await self.engine.connect()
                 try:
                     outer = await conn.begin()
                 except BaseException:
-                    await conn.close()
+                    await _quietly(conn.close())
                     raise
                 group = CommitGroup(conn, outer, asyncio.get_running_loop().create_future())
                 work = Work(conn=conn, store=self, now_ms=self.now_ms())
@@ -415,12 +421,23 @@ class Store:
                 await group.outer.commit()
             except BaseException as exc:
                 await _quietly(group.outer.rollback())
+                await _quietly(group.conn.close())  # a failed commit: start afresh next time
                 group.done.set_exception(exc)
                 group.done.exception()  # retrieved: every member re-raises it on its own
             else:
+                self._keep_writer(group.conn)
                 group.done.set_result(None)
-            finally:
-                await _quietly(group.conn.close())
+
+    def _keep_writer(self, conn: AsyncConnection) -> None:
+        if self._writer is None and not conn.invalidated:
+            self._writer = conn
+        else:
+            asyncio.ensure_future(_quietly(conn.close()))
+
+    async def _close_writer(self) -> None:
+        conn, self._writer = self._writer, None
+        if conn is not None:
+            await _quietly(conn.close())
 
     @asynccontextmanager
     async def read(self) -> AsyncIterator[AsyncConnection]:
@@ -447,6 +464,7 @@ class Store:
     async def close(self) -> None:
         """Commit what is pending, then release every pooled connection."""
         await self._settle_group(abandon=False)
+        await self._close_writer()
         await self.engine.dispose()
 
     async def abandon(self) -> None:
@@ -454,4 +472,5 @@ class Store:
         is written; uncommitted work was already rolled back by the database (a commit group
         still waiting for its commit is rolled back: its writers were waiting, none acted)."""
         await self._settle_group(abandon=True)
+        await self._close_writer()
         await self.engine.dispose()

@@ -12,7 +12,7 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import pytest
-from sqlalchemy import text
+from sqlalchemy import event, text
 
 from ledger.errors import StoreUnavailable
 from ledger.store import Store
@@ -156,3 +156,33 @@ async def test_a_writer_cancelled_while_waiting_does_not_stop_the_others(
     async with store.transaction() as work:
         await work.conn.execute(text("INSERT INTO gc VALUES (9, 0)"))
     assert await _rows(observer, 9) == 1
+
+
+async def test_sqlite_keeps_its_writer_connection_and_replaces_it_after_a_failure(
+    stores: tuple[Store, Store], backend: str
+) -> None:
+    if backend != "sqlite":
+        pytest.skip("PostgreSQL checks a connection out (and pings it) per transaction")
+    store, observer = stores
+    pool = store.engine.sync_engine.pool
+    checkouts: list[int] = []
+    event.listen(pool, "checkout", lambda *_: checkouts.append(1))
+
+    for n in range(5):  # the fixture's CREATE TABLE already opened the writer connection
+        async with store.transaction() as work:
+            await work.conn.execute(text("INSERT INTO gc VALUES (:w, 0)"), {"w": n})
+    assert checkouts == []
+    assert pool.checkedout() == 1  # held by the store between transactions
+
+    with pytest.raises(RuntimeError):
+        async with store.transaction() as work:
+            await work.conn.execute(text("INSERT INTO gc VALUES (7, 0)"))
+            raise RuntimeError("fails alone")
+    assert pool.checkedout() == 0  # a failed transaction's connection is not kept
+    async with store.transaction() as work:
+        await work.conn.execute(text("INSERT INTO gc VALUES (8, 0)"))
+    assert checkouts == [1]
+    assert await _rows(observer) == 6
+
+    await store.close()
+    assert pool.checkedout() == 0  # close() gives the writer back before disposing
