@@ -350,11 +350,13 @@ async def insert(
         stmt = work.statement(
             ("effects.insert_claimed", kind), lambda now: _insert_claimed(now, kind)
         )
-        await work.execute(stmt, first_row)
+        await work.write(stmt, first_row, row=(kind.value, new[0].key))
         plain = rows[1:]
     if plain:
-        await work.execute_many(
-            work.statement(("effects.insert", kind), lambda _now: table.insert()), plain
+        await work.write_many(
+            work.statement(("effects.insert", kind), lambda _now: table.insert()),
+            plain,
+            [(kind.value, e.key) for e in new[len(rows) - len(plain) :]],
         )
     for e in new:
         work.log(
@@ -489,8 +491,12 @@ async def record(
         ("effects.record", claim_.kind, shape),
         lambda now: _record_statement(claim_.kind, now, *shape),
     )
-    if await work.execute(stmt, params) != 1:
-        raise LeaseLost(f"{claim_.kind.value} {claim_.key}", claim_.fence)
+    await work.write(
+        stmt,
+        params,
+        lost=LeaseLost(f"{claim_.kind.value} {claim_.key}", claim_.fence),
+        row=(claim_.kind.value, claim_.key),
+    )
     log_detail: dict[str, Any] = {"fence": claim_.fence, **(detail or {})}
     if remote_id is not None:
         log_detail["remote_id"] = remote_id

@@ -41,6 +41,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from sqlalchemy.sql import Executable
 from sqlalchemy.sql.compiler import SQLCompiler
 
+from ledger import batched
 from ledger.sqlite_inline import InlineConnection
 
 
@@ -90,12 +91,46 @@ class HotPath:
         # The statement objects are the store's cached ones, alive as long as the store; the
         # entry holds the statement too, so an id is never reused while it is here.
         self._compiled: dict[tuple[int, tuple[str, ...]], tuple[Executable, Compiled | None]] = {}
+        self._composer = batched.Composer()
 
     def _lookup(self, stmt: Executable, keys: tuple[str, ...]) -> Compiled | None:
         entry = self._compiled.get((id(stmt), keys))
         if entry is None:
             entry = self._compiled[(id(stmt), keys)] = (stmt, _compile(stmt, self._dialect, keys))
         return entry[1]
+
+    def batchable(
+        self, conn: AsyncConnection, stmt: Executable, keys: tuple[str, ...]
+    ) -> Compiled | None:
+        """The compiled form of ``stmt`` if it can be held back and sent with the transaction's
+        other writes in one statement (:mod:`ledger.batched`): asyncpg connections only."""
+        driver: Any = conn.sync_connection.connection.driver_connection  # type: ignore[union-attr]
+        if not isinstance(driver, asyncpg.Connection):
+            return None
+        compiled = self._lookup(stmt, keys)
+        return compiled if compiled is not None and batched.composable(compiled) else None
+
+    async def send(
+        self, conn: AsyncConnection, writes: Sequence[batched.PendingWrite], *, final: bool
+    ) -> None:
+        """Send held-back writes as one statement. ``final``: nothing follows it in this
+        transaction, so if nothing began it yet it runs in an implicit transaction of its own
+        (one round trip, no ``BEGIN``/``COMMIT``); otherwise the transaction is begun first, so
+        that a later failure still undoes these writes."""
+        fairy: Any = conn.sync_connection.connection  # type: ignore[union-attr]
+        driver = fairy.driver_connection
+        adapted = fairy.dbapi_connection
+        sql, args = self._composer.statement(writes)
+        self._count()
+        try:
+            if not final and not adapted._started:
+                await adapted._start_transaction()
+            await driver.execute(sql, *args)
+        except Exception as exc:
+            lost = batched.lease_lost_in(exc, writes)
+            if lost is not None:
+                raise lost from None
+            await _raise_as_sqlalchemy(conn, exc, sql, args)
 
     async def execute(
         self, conn: AsyncConnection, stmt: Executable, params: Mapping[str, Any]

@@ -26,14 +26,18 @@ from sqlalchemy import event, insert, literal, select
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncTransaction
 from sqlalchemy.sql import Executable
 from sqlalchemy.sql.elements import ColumnElement
+from sqlalchemy.util import await_only
 
 from ledger import dialects
+from ledger.batched import PendingWrite
 from ledger.canonical import canonical_json, sha256_hex
 from ledger.errors import DuplicateKey, LeaseLost, StoreUnavailable
 from ledger.hot import HotPath
 from ledger.schema import ledger as ledger_table
 
 GENESIS_HASH = "0" * 64
+#: Where a PostgreSQL transaction's Work is found from its connection (``Connection.info``).
+_WORK_KEY = "agent_txn_work"
 
 S = TypeVar("S", bound=Executable)
 
@@ -109,6 +113,9 @@ class Work:
     now_ms: int
     _rows: list[LedgerRow] = field(default_factory=list)
     _heads: dict[str, tuple[Chain, str]] = field(default_factory=dict)
+    #: PostgreSQL: blind writes held back until they are sent together (ledger/batched.py).
+    _pending: list[PendingWrite] = field(default_factory=list)
+    _pending_rows: set[Hashable] = field(default_factory=set)
 
     @property
     def db_now(self) -> ColumnElement[int]:
@@ -120,14 +127,77 @@ class Work:
         return self.store.statement(key, build)
 
     async def execute(self, stmt: Executable, params: Mapping[str, Any]) -> int:
-        """Run a DML statement without ``RETURNING`` (a cached one: :meth:`statement`); the
-        number of rows it changed. On SQLite it skips SQLAlchemy's execute path
-        (:mod:`ledger.hot`)."""
+        """Run a DML statement without ``RETURNING`` (a cached one: :meth:`statement`) now; the
+        number of rows it changed. It skips SQLAlchemy's execute path (:mod:`ledger.hot`)."""
+        await self.send_writes()
         return await self.store.hot.execute(self.conn, stmt, params)
 
     async def execute_many(self, stmt: Executable, rows: Sequence[Mapping[str, Any]]) -> None:
         """Run a DML statement once per row of ``rows`` (one key set), as one driver call."""
+        await self.send_writes()
         await self.store.hot.execute_many(self.conn, stmt, rows)
+
+    async def write(
+        self,
+        stmt: Executable,
+        params: Mapping[str, Any],
+        *,
+        lost: LeaseLost | None = None,
+        row: Hashable | None = None,
+    ) -> None:
+        """A blind write: its outcome is success, a storage error, or — with ``lost`` — ``lost``
+        raised because it changed no row (a fenced update whose lease is gone). ``row`` names
+        the row it writes, e.g. ``("transactions", tx_id)``.
+
+        On PostgreSQL it may be held back and sent with the transaction's other writes and
+        ledger rows as one statement (:mod:`ledger.batched`): before the next statement on the
+        connection, or when the block ends. Its error is then raised there, still before the
+        commit. A caller that must catch it inside the block calls :meth:`send_writes`."""
+        compiled = (
+            self.store.hot.batchable(self.conn, stmt, tuple(params))
+            if self.store.batches_writes
+            else None
+        )
+        if compiled is None:
+            changed = await self.execute(stmt, params)
+            if lost is not None and changed != 1:
+                raise lost
+            return
+        if row is not None and row in self._pending_rows:
+            await self.send_writes()  # one snapshot for all CTEs: the second must see the first
+        self._pending.append(PendingWrite(compiled, compiled.arguments(params), lost, row))
+        if row is not None:
+            self._pending_rows.add(row)
+
+    async def write_many(
+        self, stmt: Executable, rows: Sequence[Mapping[str, Any]], ids: Sequence[Hashable]
+    ) -> None:
+        """Blind inserts of ``rows`` (one key set; ``ids`` name the rows, as in :meth:`write`):
+        one driver call on SQLite, held back with the transaction's other writes on
+        PostgreSQL."""
+        if not rows:
+            return
+        compiled = (
+            self.store.hot.batchable(self.conn, stmt, tuple(rows[0]))
+            if self.store.batches_writes
+            else None
+        )
+        if compiled is None:
+            await self.execute_many(stmt, rows)
+            return
+        if any(i in self._pending_rows for i in ids):
+            await self.send_writes()
+        for values, row in zip(rows, ids, strict=True):
+            self._pending.append(PendingWrite(compiled, compiled.arguments(values), None, row))
+            self._pending_rows.add(row)
+
+    async def send_writes(self, *, final: bool = False) -> None:
+        """Send the held-back writes now (PostgreSQL; nothing is held back on SQLite)."""
+        if not self._pending:
+            return
+        writes, self._pending = self._pending, []
+        self._pending_rows.clear()
+        await self.store.hot.send(self.conn, writes, final=final)
 
     def log(
         self,
@@ -153,27 +223,33 @@ class Work:
         self._heads[chain.tx_id] = (chain, digest)
 
     async def flush(self) -> None:
-        """Write the buffered ledger rows in one statement."""
-        if not self._rows:
-            return
-        await self.execute_many(
-            self.statement("ledger.insert", _ledger_insert),
-            [
-                {
-                    "tx_id": r.tx_id,
-                    "subject": r.subject,
-                    "action": r.action,
-                    "from_state": r.from_state,
-                    "to_state": r.to_state,
-                    "detail": r.detail,
-                    "created_at": r.created_at,
-                    "prev_hash": r.prev_hash,
-                    "hash": r.hash,
-                }
-                for r in self._rows
-            ],
-        )
+        """Write the buffered ledger rows (and, on PostgreSQL, the held-back writes with them)
+        in one statement, just before the commit."""
+        rows = [
+            {
+                "tx_id": r.tx_id,
+                "subject": r.subject,
+                "action": r.action,
+                "from_state": r.from_state,
+                "to_state": r.to_state,
+                "detail": r.detail,
+                "created_at": r.created_at,
+                "prev_hash": r.prev_hash,
+                "hash": r.hash,
+            }
+            for r in self._rows
+        ]
         self._rows.clear()
+        insert_row = self.statement("ledger.insert", _ledger_insert)
+        if self.store.batches_writes and rows:
+            compiled = self.store.hot.batchable(self.conn, insert_row, tuple(rows[0]))
+            if compiled is not None:
+                args = tuple(a for r in rows for a in compiled.arguments(r))
+                self._pending.append(PendingWrite(compiled, args, None, None, rows=len(rows)))
+                rows = []
+        if rows:
+            await self.execute_many(insert_row, rows)
+        await self.send_writes(final=True)
 
     def _advance_chains(self) -> None:
         for chain, head in self._heads.values():
@@ -242,6 +318,8 @@ class Store:
         # CPU than the transaction's SQL (the bench's profile); SQLite has one writer anyway.
         self._writer: AsyncConnection | None = None
         self.hot = HotPath(engine.sync_engine.dialect, self._count_statement)
+        #: PostgreSQL holds blind writes back and sends them together (ledger/batched.py).
+        self.batches_writes = self.dialect == "postgresql"
         self._install_counters()
 
     def _count_statement(self) -> None:
@@ -284,6 +362,16 @@ class Store:
             if not statement.startswith(("BEGIN", "PRAGMA")):
                 self.stats.statements += 1
 
+        if self.batches_writes:
+
+            def before_execute(conn: Any, *_args: Any) -> None:
+                # Any other statement sees the held-back writes of its transaction, as if they
+                # had run at once (ledger/batched.py). This runs inside SQLAlchemy's greenlet.
+                work = conn.info.get(_WORK_KEY)
+                if work is not None and work._pending:
+                    await_only(work.send_writes())
+
+            event.listen(sync_engine, "before_execute", before_execute)
         event.listen(sync_engine, "commit", on_commit)
         event.listen(sync_engine, "rollback", on_rollback)
         event.listen(sync_engine, "before_cursor_execute", on_execute)
@@ -343,8 +431,13 @@ class Store:
     async def _transaction(self) -> AsyncIterator[Work]:
         async with self.engine.begin() as conn:
             work = Work(conn=conn, store=self, now_ms=self.now_ms())
-            yield work
-            await work.flush()
+            info = conn.sync_connection.info  # type: ignore[union-attr]
+            info[_WORK_KEY] = work
+            try:
+                yield work
+                await work.flush()
+            finally:
+                info.pop(_WORK_KEY, None)
         work._advance_chains()
 
     @asynccontextmanager
@@ -425,14 +518,14 @@ class Store:
                 group.done.set_exception(exc)
                 group.done.exception()  # retrieved: every member re-raises it on its own
             else:
-                self._keep_writer(group.conn)
+                await self._keep_writer(group.conn)
                 group.done.set_result(None)
 
-    def _keep_writer(self, conn: AsyncConnection) -> None:
+    async def _keep_writer(self, conn: AsyncConnection) -> None:
         if self._writer is None and not conn.invalidated:
             self._writer = conn
         else:
-            asyncio.ensure_future(_quietly(conn.close()))
+            await _quietly(conn.close())
 
     async def _close_writer(self) -> None:
         conn, self._writer = self._writer, None

@@ -178,7 +178,7 @@ async def insert(
     else:
         stmt = work.statement("transactions.insert_leased", _insert_leased)
         lease = {"lease_owner": owner, "p_lease_ms": lease_ms, "fence": 1}
-    await work.execute(
+    await work.write(
         stmt,
         {
             **lease,
@@ -196,6 +196,7 @@ async def insert(
             "created_at": work.now_ms,
             "updated_at": work.now_ms,
         },
+        row=("transactions", tx_id),
     )
     work.log(
         chain,
@@ -394,8 +395,12 @@ async def transition(
         ("transactions.transition", error_change, drop_lease, schedule),
         lambda now: _transition_statement(now, error_change, drop_lease, schedule),
     )
-    if await work.execute(stmt, params) != 1:
-        raise LeaseLost(f"transaction {txc.tx_id}", txc.fence)
+    await work.write(
+        stmt,
+        params,
+        lost=LeaseLost(f"transaction {txc.tx_id}", txc.fence),
+        row=("transactions", txc.tx_id),
+    )
     for index, (a, b) in enumerate(pairwise(path)):
         last = index == len(path) - 2
         work.log(

@@ -136,6 +136,7 @@ async def resolve(
                     detail={"operator": operator, "op": target.key},
                     clear_error=True,
                 )
+                await work.send_writes()  # its LeaseLost must be raised here, not at commit
             except LeaseLost:
                 raise NotResolvable(details={"tx_id": tx_id, "op": op}) from None
             return resume
