@@ -9,18 +9,23 @@ result. So :class:`~ledger.store.Work` holds them back and sends them, with the 
 ledger rows, as one statement::
 
     WITH w0 AS (UPDATE operations SET ... WHERE op_key = $1 AND fence = $2 ... RETURNING 1),
-         w1 AS (UPDATE transactions SET ... WHERE tx_id = $9 AND fence = $10 ... RETURNING 1),
-         w2 AS (INSERT INTO ledger (...) VALUES ($17, ...) RETURNING 1)
-    SELECT c0, c1, c2, CASE WHEN c0 = 1 AND c1 = 1 THEN 1
-                ELSE CAST('agent_txn_lease_lost:' || c0 || ',' || c1 AS integer) END
-    FROM (SELECT (SELECT count(*) FROM w0) AS c0, (SELECT count(*) FROM w1) AS c1,
-                 (SELECT count(*) FROM w2) AS c2) AS counts
+         w1 AS (INSERT INTO outbox (...) VALUES ($9, ...) RETURNING 1),
+         w2 AS (INSERT INTO ledger (...) VALUES ($17, ...), ($26, ...) RETURNING 1)
+    SELECT c0, c1, c2 FROM (
+        SELECT (SELECT CASE WHEN count(*) = 1 THEN 1
+                     ELSE CAST('agent_txn_lease_lost:0:' || count(*) AS integer) END
+                FROM w0) AS c0,
+               (SELECT count(*) FROM w1) AS c1,
+               (SELECT count(*) FROM w2) AS c2) AS counts
 
-PostgreSQL runs every data-modifying CTE exactly once and to completion, whether or not the
-main query reads it, and a statement is atomic. A fenced write that matched no row makes the
-``CAST`` fail, which aborts the whole statement — so "lease lost" undoes the transaction's other
-writes exactly as raising :class:`~ledger.errors.LeaseLost` after the first one did. The counts
-come from sub-queries, so the planner cannot fold the ``CAST`` into a constant and fail early.
+PostgreSQL runs every data-modifying CTE exactly once and to completion, and a statement is
+atomic. The outer query reads the counts left to right, so the CTEs run in the order the writes
+were made, and each fenced write is judged as soon as it has run: one that matched no row makes
+its ``CAST`` fail before any later write runs, which aborts the whole statement. So a stale
+fence is reported as :class:`~ledger.errors.LeaseLost` (not as, say, the duplicate key a later
+insert would then meet), and it undoes the transaction's other writes, exactly as when the
+writes ran one by one. ``count(*)`` in the ``CAST`` keeps the planner from folding it into a
+constant and failing early.
 
 When the statement is the transaction's first, it is sent outside an explicit transaction: an
 implicit one commits it, and SQLAlchemy's ``COMMIT`` has nothing to send (its asyncpg adapter
@@ -55,9 +60,9 @@ from ledger.errors import LeaseLost
 if TYPE_CHECKING:  # ledger.hot imports this module
     from ledger.hot import Compiled
 
-#: The text the failing ``CAST`` carries; the counts of the fenced writes follow it.
+#: The text the failing ``CAST`` carries; the index of the fenced write follows it.
 MARKER = "agent_txn_lease_lost:"
-_MARKER_RE = re.compile(re.escape(MARKER) + r"([0-9,]*)")
+_MARKER_RE = re.compile(re.escape(MARKER) + r"(\d+):")
 _PLACEHOLDER = re.compile(r"\$(\d+)")
 
 
@@ -108,7 +113,7 @@ class Composer:
 
 def _compose(writes: Sequence[PendingWrite]) -> str:
     parts: list[str] = []
-    checked: list[str] = []
+    counts: list[str] = []
     offset = 0
     for i, w in enumerate(writes):
         n = len(w.compiled.names)
@@ -123,36 +128,31 @@ def _compose(writes: Sequence[PendingWrite]) -> str:
                 offset += n
             sql = f"{head_sql} VALUES {', '.join(tuples)}"
         parts.append(f"w{i} AS ({sql} RETURNING 1)")
-        if w.lost is not None:
-            checked.append(f"c{i}")
-    head = "WITH " + ",\n     ".join(parts)
-    # Every CTE is counted, left to right: that makes them run in the order they were written
-    # (a duplicate transaction then fails on its own key before its ledger rows collide), where
-    # CTEs nobody reads would run in an order of the executor's choosing.
-    # (The outer query must read every count, or the planner drops the unread ones and their
-    # CTEs run last, in reverse.)
-    counts = ", ".join(f"(SELECT count(*) FROM w{i}) AS c{i}" for i in range(len(writes)))
+        if w.lost is None:
+            counts.append(f"(SELECT count(*) FROM w{i}) AS c{i}")
+        else:
+            # count(*) keeps the CAST from being folded (and failing) at plan time.
+            counts.append(
+                f"(SELECT CASE WHEN count(*) = 1 THEN 1 "
+                f"ELSE CAST('{MARKER}{i}:' || count(*) AS integer) END FROM w{i}) AS c{i}"
+            )
+    # The outer query reads every count, left to right: that runs the CTEs in the order they
+    # were written, and a fenced write is judged before any later write runs — so a stale
+    # fence is reported as such, not as the duplicate key a later insert would then hit (the
+    # order in which the writes ran one by one). Unread CTEs would run last, in reverse.
     every = ", ".join(f"c{i}" for i in range(len(writes)))
-    if not checked:
-        return f"{head}\nSELECT {every} FROM (SELECT {counts}) AS counts"
-    ok = " AND ".join(f"{c} = 1" for c in checked)
-    report = " || ',' || ".join(checked)
     return (
-        f"{head}\nSELECT {every}, CASE WHEN {ok} THEN 1 "
-        f"ELSE CAST('{MARKER}' || {report} AS integer) END\n"
-        f"FROM (SELECT {counts}) AS counts"
+        "WITH "
+        + ",\n     ".join(parts)
+        + f"\nSELECT {every} FROM (SELECT {', '.join(counts)}) AS counts"
     )
 
 
 def lease_lost_in(exc: BaseException, writes: Sequence[PendingWrite]) -> LeaseLost | None:
-    """The :class:`LeaseLost` of the first fenced write that matched no row, if ``exc`` is the
+    """The :class:`LeaseLost` of the fenced write that matched no row, if ``exc`` is the
     combined statement's failing ``CAST``."""
     found = _MARKER_RE.search(str(exc))
     if found is None:
         return None
-    counts = [int(c) for c in found.group(1).split(",") if c]
-    fenced = [w for w in writes if w.lost is not None]
-    for write, count in zip(fenced, counts, strict=False):
-        if count != 1:
-            return write.lost
-    return fenced[0].lost if fenced else None
+    index = int(found.group(1))
+    return writes[index].lost if index < len(writes) else None

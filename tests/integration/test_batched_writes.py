@@ -156,3 +156,20 @@ async def test_a_transaction_of_blind_writes_is_one_statement_and_one_round_trip
     else:
         assert statements == 2  # the insert, then the ledger rows
     assert await _status(store, "tx-one") is TxState.EXECUTING
+
+
+async def test_a_stale_fence_is_reported_before_a_later_writes_duplicate_key(
+    store: Store,
+) -> None:
+    # As one by one: the fenced write fails first, so the caller learns it lost the lease (a
+    # stale holder re-recording what the new holder already wrote), not a duplicate key.
+    async with store.transaction() as work:
+        txc = await _insert(work, "tx-o")
+        await _insert(work, "tx-taken")
+    stale = transactions.TxClaim("tx-o", txc.fence + 1, txc.status, txc.owner)
+    with pytest.raises(LeaseLost) as lost:
+        async with store.transaction() as work:
+            chain = await events.chain_of(work.conn, "tx-o")
+            await transactions.transition(work, chain, stale, TxState.FAILED, action="fail")
+            await _insert(work, "tx-taken")  # would be a DuplicateKey
+    assert "transaction tx-o" in str(lost.value)
