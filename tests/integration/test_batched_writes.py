@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from ledger import definitions, events, transactions
-from ledger.errors import LeaseLost
+from ledger.errors import DuplicateKey, LeaseLost
 from ledger.states import TxState
 from ledger.store import Chain, Store
 from tests.conftest import DbUrls
@@ -173,3 +173,20 @@ async def test_a_stale_fence_is_reported_before_a_later_writes_duplicate_key(
             await transactions.transition(work, chain, stale, TxState.FAILED, action="fail")
             await _insert(work, "tx-taken")  # would be a DuplicateKey
     assert "transaction tx-o" in str(lost.value)
+
+
+async def test_a_held_writes_error_surfaces_at_the_next_read_and_spoils_nothing_else(
+    store: Store,
+) -> None:
+    async with store.transaction() as work:
+        await _insert(work, "tx-d")
+    with pytest.raises(DuplicateKey):
+        async with store.transaction() as work:
+            await _insert(work, "tx-fresh")
+            await _insert(work, "tx-d")  # SQLite: raised here; PostgreSQL: at the next read
+            await transactions.get(work.conn, "tx-d")
+    assert await _status(store, "tx-fresh") is None
+    # The store (and its pool) is fine afterwards.
+    async with store.transaction() as work:
+        await _insert(work, "tx-after")
+    assert await _status(store, "tx-after") is TxState.EXECUTING
