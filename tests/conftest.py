@@ -5,7 +5,13 @@
   provider's (``provider``) — two databases, so rolling back ours never undoes a provider effect.
   SQLite: two files under ``tmp_path``. PostgreSQL: two new databases on the server named by
   ``AGENT_TXN_TEST_PG_URL`` (default ``postgresql+asyncpg://postgres@127.0.0.1:5432/postgres``),
-  dropped after the test.
+  named ``agt_<session tag>_...``, dropped after the test (in the background, see
+  :mod:`tests.support.pg_databases`).
+* On PostgreSQL those databases are copies of templates already migrated (ours) / holding the
+  fake provider's tables, exactly what the first ``Store.open`` / ``FakeShop.open`` of an empty
+  database builds, so tests do not pay for the migrations. A test that must start from truly
+  empty databases (it migrates them itself, or checks that nothing was created) is marked
+  ``@pytest.mark.empty_databases``; the modules in :data:`EMPTY_DATABASE_MODULES` are, as a whole.
 * PostgreSQL tests skip with a clear reason when no server is reachable, unless
   ``AGENT_TXN_REQUIRE_PG=1`` (CI), where they fail instead.
 """
@@ -14,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,12 +27,35 @@ from pathlib import Path
 import pytest
 from sqlalchemy.engine import make_url
 
+from ledger.store import Store
 from orchestrator.engine import Orchestrator
 from providers.fake.shop import FakeShop
+from tests.support.pg_databases import PgDatabases
 from tests.support.world import World, fast_settings
 
 DEFAULT_PG_URL = "postgresql+asyncpg://postgres@127.0.0.1:5432/postgres"
 BACKENDS = ("sqlite", "postgres")
+
+# Modules whose tests all need empty databases from ``db_urls`` (as if marked
+# ``empty_databases``): the migration tests upgrade / downgrade / inspect an empty database
+# themselves (on a migrated copy many would pass without testing anything), and the crash
+# matrix checks that a victim sent home created no table at all.
+EMPTY_DATABASE_MODULES = frozenset(
+    {
+        "tests/integration/test_migrations.py",
+        "tests/fault/test_crash_matrix.py",
+    }
+)
+# A create waits while more drops than this are still queued: bounds the databases (and disk)
+# a slow server can accumulate behind the tests.
+MAX_PENDING_DROPS = 20
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "empty_databases: db_urls gives empty PostgreSQL databases, not migrated template copies",
+    )
 
 
 def pg_admin_url() -> str:
@@ -110,8 +138,48 @@ def backend(request: pytest.FixtureRequest) -> str:
     return name
 
 
+async def _build_store_template(url: str) -> None:
+    store = await Store.open(url)
+    await store.close()
+
+
+async def _build_provider_template(url: str) -> None:
+    shop = await FakeShop.open(url)
+    await shop.close()
+
+
+@pytest.fixture(scope="session")
+def pg_databases() -> Iterator[PgDatabases]:
+    """This session's creator / background dropper of PostgreSQL test databases.
+
+    Teardown waits until every queued drop has run, then drops the templates: a finished
+    session leaves no ``agt_<tag>_...`` database behind.
+    """
+    databases = PgDatabases(
+        make_url(pg_admin_url()),
+        max_pending_drops=MAX_PENDING_DROPS,
+        template_builders={"store": _build_store_template, "provider": _build_provider_template},
+    )
+    try:
+        yield databases
+    finally:
+        databases.close()
+
+
+def _wants_empty_databases(request: pytest.FixtureRequest) -> bool:
+    if request.node.get_closest_marker("empty_databases") is not None:
+        return True
+    path = Path(str(request.node.path)).resolve()
+    rootdir = Path(str(request.config.rootpath)).resolve()
+    try:
+        relative = path.relative_to(rootdir).as_posix()
+    except ValueError:
+        return False
+    return relative in EMPTY_DATABASE_MODULES
+
+
 @pytest.fixture
-async def db_urls(backend: str, tmp_path: Path) -> AsyncIterator[DbUrls]:
+def db_urls(backend: str, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[DbUrls]:
     """Fresh databases (ours + the fake provider's) on the parametrized backend."""
     if backend == "sqlite":
         yield DbUrls(
@@ -120,15 +188,17 @@ async def db_urls(backend: str, tmp_path: Path) -> AsyncIterator[DbUrls]:
             provider=f"sqlite+aiosqlite:///{tmp_path / 'provider.db'}",
         )
         return
-    suffix = uuid.uuid4().hex[:12]
-    names = (f"agt_{suffix}", f"agt_{suffix}_provider")
-    store_url = await create_pg_database(names[0])
-    provider_url = await create_pg_database(names[1])
+    databases: PgDatabases = request.getfixturevalue("pg_databases")
+    # Synchronous on purpose: the server work runs on the dropper's own loop and thread, so this
+    # fixture needs no event loop and works for sync and async tests alike.
+    names = databases.create(("store", "provider"), migrated=not _wants_empty_databases(request))
     try:
-        yield DbUrls(backend, store=store_url, provider=provider_url)
+        yield DbUrls(
+            backend, store=databases.url_for(names[0]), provider=databases.url_for(names[1])
+        )
     finally:
-        for name in names:
-            await drop_pg_database(name)
+        # Not awaited: the drop runs while the next test does (FORCE ends leftover connections).
+        databases.drop_later(names)
 
 
 @pytest.fixture
