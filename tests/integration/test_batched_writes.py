@@ -17,37 +17,21 @@ from typing import Any
 
 import pytest
 
-from ledger import definitions, events, transactions
+from ledger import events, transactions
 from ledger.errors import DuplicateKey, LeaseLost
 from ledger.states import TxState
 from ledger.store import Chain, Store
 from tests.conftest import DbUrls
-
-DIGEST = "b" * 64
+from tests.support.bare_store import bare_store, insert_tx
 
 
 @pytest.fixture
 async def store(db_urls: DbUrls) -> AsyncIterator[Store]:
-    store = await Store.open(db_urls.store)
-    async with store.transaction() as work:
-        await definitions.put(work, digest=DIGEST, name="batched", definition={"name": "b"})
-    try:
+    async with bare_store(db_urls.store) as store:
         yield store
-    finally:
-        await store.close()
 
 
-async def _insert(work: Any, tx_id: str) -> transactions.TxClaim:
-    return await transactions.insert(
-        work,
-        Chain(tx_id),
-        tx_id=tx_id,
-        definition_digest=DIGEST,
-        saga_name="batched",
-        inputs={"n": tx_id},
-        owner="w1",
-        lease_ms=30_000,
-    )
+_insert = insert_tx
 
 
 async def _status(store: Store, tx_id: str) -> TxState | None:

@@ -17,26 +17,20 @@ from typing import Any
 import pytest
 from sqlalchemy import Column, Integer, MetaData, String, Table, event, insert, select, text, update
 
-from ledger import definitions, events, transactions
+from ledger import events, transactions
 from ledger.errors import DuplicateKey, LeaseLost, StoreUnavailable
 from ledger.hot import _compile
 from ledger.schema import ledger as ledger_table
 from ledger.states import TxState
 from ledger.store import Chain, Store
 from tests.conftest import DbUrls, _pg_execute
-
-DIGEST = "d" * 64
+from tests.support.bare_store import bare_store, insert_tx
 
 
 @pytest.fixture
 async def store(db_urls: DbUrls) -> AsyncIterator[Store]:
-    store = await Store.open(db_urls.store)
-    async with store.transaction() as work:
-        await definitions.put(work, digest=DIGEST, name="hot", definition={"name": "hot"})
-    try:
+    async with bare_store(db_urls.store) as store:
         yield store
-    finally:
-        await store.close()
 
 
 def _cursor_events(store: Store) -> list[str]:
@@ -53,17 +47,7 @@ def _cursor_events(store: Store) -> list[str]:
 
 async def _insert_tx(store: Store, tx_id: str, inputs: dict[str, Any]) -> transactions.TxClaim:
     async with store.transaction() as work:
-        return await transactions.insert(
-            work,
-            Chain(tx_id),
-            tx_id=tx_id,
-            definition_digest=DIGEST,
-            saga_name="hot",
-            inputs=inputs,
-            owner="w1",
-            lease_ms=30_000,
-            context={"nested": {"k": [1, "two", None]}},
-        )
+        return await insert_tx(work, tx_id, inputs, context={"nested": {"k": [1, "two", None]}})
 
 
 async def test_hot_writes_read_back_as_sqlalchemy_wrote_them(store: Store) -> None:
