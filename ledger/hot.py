@@ -99,16 +99,25 @@ class HotPath:
             entry = self._compiled[(id(stmt), keys)] = (stmt, _compile(stmt, self._dialect, keys))
         return entry[1]
 
+    def _target(
+        self, conn: AsyncConnection, stmt: Executable, keys: tuple[str, ...]
+    ) -> tuple[Any, Compiled | None]:
+        """The pooled connection under ``conn`` and ``stmt``'s compiled form, or ``None`` when
+        the statement or the driver does not take the hot path."""
+        fairy: Any = conn.sync_connection.connection  # type: ignore[union-attr]
+        if not isinstance(fairy.driver_connection, (InlineConnection, asyncpg.Connection)):
+            return fairy, None
+        return fairy, self._lookup(stmt, keys)
+
     def batchable(
         self, conn: AsyncConnection, stmt: Executable, keys: tuple[str, ...]
     ) -> Compiled | None:
         """The compiled form of ``stmt`` if it can be held back and sent with the transaction's
         other writes in one statement (:mod:`ledger.batched`): asyncpg connections only."""
-        driver: Any = conn.sync_connection.connection.driver_connection  # type: ignore[union-attr]
-        if not isinstance(driver, asyncpg.Connection):
+        fairy, compiled = self._target(conn, stmt, keys)
+        if not isinstance(fairy.driver_connection, asyncpg.Connection) or compiled is None:
             return None
-        compiled = self._lookup(stmt, keys)
-        return compiled if compiled is not None and batched.composable(compiled) else None
+        return compiled if batched.composable(compiled) else None
 
     async def send(
         self, conn: AsyncConnection, writes: Sequence[batched.PendingWrite], *, final: bool
@@ -118,14 +127,12 @@ class HotPath:
         (one round trip, no ``BEGIN``/``COMMIT``); otherwise the transaction is begun first, so
         that a later failure still undoes these writes."""
         fairy: Any = conn.sync_connection.connection  # type: ignore[union-attr]
-        driver = fairy.driver_connection
-        adapted = fairy.dbapi_connection
         sql, args = self._composer.statement(writes)
         self._count()
         try:
-            if not final and not adapted._started:
-                await adapted._start_transaction()
-            await driver.execute(sql, *args)
+            if not final:
+                await _begun(fairy)
+            await fairy.driver_connection.execute(sql, *args)
         except Exception as exc:
             lost = batched.lease_lost_in(exc, writes)
             if lost is not None:
@@ -136,21 +143,16 @@ class HotPath:
         self, conn: AsyncConnection, stmt: Executable, params: Mapping[str, Any]
     ) -> int:
         """Run ``stmt`` once; the number of rows it changed."""
-        fairy: Any = conn.sync_connection.connection  # type: ignore[union-attr]
-        driver = fairy.driver_connection
-        compiled = None
-        if isinstance(driver, (InlineConnection, asyncpg.Connection)):
-            compiled = self._lookup(stmt, tuple(params))
+        fairy, compiled = self._target(conn, stmt, tuple(params))
         if compiled is None:
             return (await conn.execute(stmt, dict(params))).rowcount
         args = compiled.arguments(params)
         self._count()
+        driver = fairy.driver_connection
         try:
             if isinstance(driver, InlineConnection):
                 return driver._conn.execute(compiled.sql, args).rowcount
-            adapted = fairy.dbapi_connection
-            if not adapted._started:  # SQLAlchemy's asyncpg adapter begins lazily, as here
-                await adapted._start_transaction()
+            await _begun(fairy)
             return _rowcount(await driver.execute(compiled.sql, *args))
         except Exception as exc:
             await _raise_as_sqlalchemy(conn, exc, compiled.sql, args)
@@ -161,23 +163,18 @@ class HotPath:
         """Run ``stmt`` for each of ``rows`` (which share one key set), as one driver call."""
         if not rows:
             return
-        fairy: Any = conn.sync_connection.connection  # type: ignore[union-attr]
-        driver = fairy.driver_connection
-        compiled = None
-        if isinstance(driver, (InlineConnection, asyncpg.Connection)):
-            compiled = self._lookup(stmt, tuple(rows[0]))
+        fairy, compiled = self._target(conn, stmt, tuple(rows[0]))
         if compiled is None:
             await conn.execute(stmt, [dict(r) for r in rows])
             return
         args = [compiled.arguments(r) for r in rows]
         self._count()
+        driver = fairy.driver_connection
         try:
             if isinstance(driver, InlineConnection):
                 driver._conn.executemany(compiled.sql, args)
                 return
-            adapted = fairy.dbapi_connection
-            if not adapted._started:
-                await adapted._start_transaction()
+            await _begun(fairy)
             await driver.executemany(compiled.sql, args)
         except Exception as exc:
             await _raise_as_sqlalchemy(conn, exc, compiled.sql, args)
@@ -193,6 +190,14 @@ class HotPath:
             driver._conn.execute(sql)
         except Exception as exc:
             await _raise_as_sqlalchemy(conn, exc, sql, ())
+
+
+async def _begun(fairy: Any) -> None:
+    # SQLAlchemy's asyncpg adapter sends BEGIN lazily, before its first statement; a statement
+    # sent past it must do the same, or it would run outside the transaction.
+    adapted = fairy.dbapi_connection
+    if not adapted._started:
+        await adapted._start_transaction()
 
 
 def _rowcount(status: str) -> int:

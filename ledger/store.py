@@ -32,7 +32,7 @@ from ledger import dialects
 from ledger.batched import PendingWrite
 from ledger.canonical import canonical_json, sha256_hex
 from ledger.errors import DuplicateKey, LeaseLost, StoreUnavailable
-from ledger.hot import HotPath
+from ledger.hot import Compiled, HotPath
 from ledger.schema import ledger as ledger_table
 
 GENESIS_HASH = "0" * 64
@@ -153,11 +153,7 @@ class Work:
         ledger rows as one statement (:mod:`ledger.batched`): before the next statement on the
         connection, or when the block ends. Its error is then raised there, still before the
         commit. A caller that must catch it inside the block calls :meth:`send_writes`."""
-        compiled = (
-            self.store.hot.batchable(self.conn, stmt, tuple(params))
-            if self.store.batches_writes
-            else None
-        )
+        compiled = self._batchable(stmt, tuple(params))
         if compiled is None:
             changed = await self.execute(stmt, params)
             if lost is not None and changed != 1:
@@ -177,11 +173,7 @@ class Work:
         PostgreSQL."""
         if not rows:
             return
-        compiled = (
-            self.store.hot.batchable(self.conn, stmt, tuple(rows[0]))
-            if self.store.batches_writes
-            else None
-        )
+        compiled = self._batchable(stmt, tuple(rows[0]))
         if compiled is None:
             await self.execute_many(stmt, rows)
             return
@@ -190,6 +182,11 @@ class Work:
         for values, row in zip(rows, ids, strict=True):
             self._pending.append(PendingWrite(compiled, compiled.arguments(values), None, row))
             self._pending_rows.add(row)
+
+    def _batchable(self, stmt: Executable, keys: tuple[str, ...]) -> Compiled | None:
+        if not self.store.batches_writes:
+            return None  # SQLite: every write runs at once
+        return self.store.hot.batchable(self.conn, stmt, keys)
 
     async def send_writes(self, *, final: bool = False) -> None:
         """Send the held-back writes now (PostgreSQL; nothing is held back on SQLite)."""
@@ -241,8 +238,8 @@ class Work:
         ]
         self._rows.clear()
         insert_row = self.statement("ledger.insert", _ledger_insert)
-        if self.store.batches_writes and rows:
-            compiled = self.store.hot.batchable(self.conn, insert_row, tuple(rows[0]))
+        if rows:
+            compiled = self._batchable(insert_row, tuple(rows[0]))
             if compiled is not None:
                 args = tuple(a for r in rows for a in compiled.arguments(r))
                 self._pending.append(PendingWrite(compiled, args, None, None, rows=len(rows)))
