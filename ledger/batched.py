@@ -64,6 +64,7 @@ if TYPE_CHECKING:  # ledger.hot imports this module
 MARKER = "agent_txn_lease_lost:"
 _MARKER_RE = re.compile(re.escape(MARKER) + r"(\d+):")
 _PLACEHOLDER = re.compile(r"\$(\d+)")
+_INVALID_TEXT_REPRESENTATION = "22P02"
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,6 +152,8 @@ def _compose(writes: Sequence[PendingWrite]) -> str:
 def lease_lost_in(exc: BaseException, writes: Sequence[PendingWrite]) -> LeaseLost | None:
     """The :class:`LeaseLost` of the fenced write that matched no row, if ``exc`` is the
     combined statement's failing ``CAST``."""
+    if getattr(exc, "sqlstate", None) != _INVALID_TEXT_REPRESENTATION:
+        return None  # only the CAST fails this way; a message merely quoting the text does not
     found = _MARKER_RE.search(str(exc))
     if found is None:
         return None
