@@ -260,6 +260,61 @@ def _claim_statement(
     return update(table).where(and_(*conditions)).values(values).returning(*table.c)
 
 
+def is_fresh(e: Effect) -> bool:
+    """``e`` (a holder's cached row) was never attempted: pending, never claimed, not scheduled.
+
+    Its claim then has one outcome the holder can predict — fence + 1, attempt 1, nothing sent
+    before — so :func:`claim_fresh` can write it blind instead of reading it back."""
+    return (
+        e.state is EffectState.PENDING
+        and e.attempts == 0
+        and e.first_attempt_at is None
+        and e.next_attempt_at is None
+    )
+
+
+def _claim_fresh_statement(
+    kind: EffectKind, now: ColumnElement[int], *, set_payload: bool, stored: bool
+) -> Update:
+    """:func:`_claim_statement` for a row whose every column the claim reads is known: the
+    ``WHERE`` pins them (so the ``SET`` has one outcome) and there is no ``RETURNING``."""
+    table = _TABLES[kind]
+    values: dict[str, Any] = {
+        "state": EffectState.EXECUTING.value,
+        "claimed_from": EffectState.PENDING.value,
+        "fence": table.c.fence + 1,
+        "lease_owner": bindparam("p_owner"),
+        "lease_until": now + bindparam("p_lease_ms", type_=BigInteger),
+        "attempts": 1,
+        "first_attempt_at": now,
+        "updated_at": bindparam("p_updated_at", type_=BigInteger),
+    }
+    if set_payload:
+        values["payload"] = bindparam("p_payload", type_=Json)
+        values["payload_sha256"] = bindparam("p_payload_sha256", type_=String)
+    return (
+        update(table)
+        .where(
+            _key(kind) == bindparam("p_key"),
+            table.c.state == EffectState.PENDING.value,
+            table.c.fence == bindparam("p_fence", type_=BigInteger),
+            table.c.attempts == 0,
+            table.c.first_attempt_at.is_(None),
+            table.c.next_attempt_at.is_(None),
+            (
+                table.c.payload_sha256 == bindparam("p_stored_sha256", type_=String)
+                if stored
+                else table.c.payload_sha256.is_(None)
+            ),
+            exists().where(
+                transactions.c.tx_id == table.c.tx_id,
+                transactions.c.fence == bindparam("p_tx_fence", type_=BigInteger),
+            ),
+        )
+        .values(values)
+    )
+
+
 def _record_statement(
     kind: EffectKind,
     now: ColumnElement[int],
@@ -448,6 +503,85 @@ async def claim(
         detail={"fence": result.fence, "owner": owner, "attempt": result.attempts},
     )
     return result
+
+
+async def claim_fresh(
+    work: Work,
+    chain: Chain,
+    known: Effect,
+    *,
+    owner: str,
+    lease_ms: int,
+    tx_fence: int,
+    payload: Any = None,
+    payload_sha256: str | None = None,
+) -> Claim:
+    """:func:`claim` of an effect the caller holds an exact cached row of, one that
+    :func:`is_fresh` accepts, as a blind fenced write (no ``RETURNING``, no read back).
+
+    The claim's outcome follows from ``known``: the statement's ``WHERE`` requires the row to
+    still be exactly that (state, fence, attempts, schedule, stored fingerprint) and the
+    transaction to still carry ``tx_fence``. If anything moved, nothing is written and
+    :class:`LeaseLost` is raised (on PostgreSQL at the next statement or the commit, see
+    :meth:`Work.write`): the caller's view is stale, so it must stop rather than act on it. The
+    whole local transaction is rolled back; everything it undoes is recovered from the ledger's
+    durable state like any other lost lease.
+
+    ``first_attempt_at`` and ``lease_until`` are the database clock's and are not read back:
+    the returned claim leaves them ``None``, as the first claim of a plan does (a first attempt
+    is never outside its dedup window)."""
+    assert is_fresh(known), known
+    set_payload = payload_sha256 is not None and known.payload_sha256 is None
+    stored = known.payload_sha256 is not None
+    stmt = work.statement(
+        ("effects.claim_fresh", known.kind, set_payload, stored),
+        lambda now: _claim_fresh_statement(known.kind, now, set_payload=set_payload, stored=stored),
+    )
+    params: dict[str, Any] = {
+        "p_key": known.key,
+        "p_fence": known.fence,
+        "p_owner": owner,
+        "p_lease_ms": lease_ms,
+        "p_updated_at": work.now_ms,
+        "p_tx_fence": tx_fence,
+    }
+    if set_payload:
+        params["p_payload"] = payload
+        params["p_payload_sha256"] = payload_sha256
+    if stored:
+        params["p_stored_sha256"] = known.payload_sha256
+    await work.write(
+        stmt,
+        params,
+        lost=LeaseLost(f"{known.kind.value} {known.key} (changed under its holder)", tx_fence),
+        row=(known.kind.value, known.key),
+    )
+    fence = known.fence + 1
+    work.log(
+        chain,
+        action="claim",
+        subject=known.key,
+        from_state=EffectState.PENDING.value,
+        to_state=EffectState.EXECUTING.value,
+        detail={"fence": fence, "owner": owner, "attempt": 1},
+    )
+    return Claim(
+        kind=known.kind,
+        key=known.key,
+        tx_id=known.tx_id,
+        name=known.name,
+        provider=known.provider,
+        action=known.action,
+        fence=fence,
+        previous=EffectState.PENDING,
+        attempts=1,
+        lookups=known.lookups,
+        first_attempt_at=None,
+        payload=payload if set_payload else known.payload,
+        payload_sha256=payload_sha256 if set_payload else known.payload_sha256,
+        owner=owner,
+        lease_ms=lease_ms,
+    )
 
 
 async def record(

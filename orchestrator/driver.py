@@ -458,18 +458,33 @@ class SagaRun:
         The stored payload must hash to its stored fingerprint, and a re-rendered forward payload
         (``payload``) must have that same fingerprint: the same key never carries another payload.
         """
-        claim = await effects.claim(
-            work,
-            self.chain,
-            e.kind,
-            e.key,
-            owner=self.txc.owner,
-            lease_ms=self.services.settings.lease_ms,
-            payload=payload[0] if payload else None,
-            payload_sha256=payload[1] if payload else None,
-            due_only=not eager,
-            tx_fence=self.txc.fence,
-        )
+        fresh = effects.is_fresh(e)
+        if fresh:
+            # Never attempted: the claim's outcome is known, so it is a blind write that
+            # PostgreSQL sends with this transaction's other writes (one round trip, no read).
+            claim: Claim | None = await effects.claim_fresh(
+                work,
+                self.chain,
+                e,
+                owner=self.txc.owner,
+                lease_ms=self.services.settings.lease_ms,
+                tx_fence=self.txc.fence,
+                payload=payload[0] if payload else None,
+                payload_sha256=payload[1] if payload else None,
+            )
+        else:
+            claim = await effects.claim(
+                work,
+                self.chain,
+                e.kind,
+                e.key,
+                owner=self.txc.owner,
+                lease_ms=self.services.settings.lease_ms,
+                payload=payload[0] if payload else None,
+                payload_sha256=payload[1] if payload else None,
+                due_only=not eager,
+                tx_fence=self.txc.fence,
+            )
         if claim is None:
             return None
         self._replace(
@@ -481,7 +496,9 @@ class SagaRun:
             payload=claim.payload,
             payload_sha256=claim.payload_sha256,
         )
-        stored_ok = _fingerprint_or_none(claim.payload) == claim.payload_sha256
+        # A payload this claim just stored was fingerprinted by render_payload a moment ago.
+        just_stored = fresh and payload is not None and e.payload_sha256 is None
+        stored_ok = just_stored or _fingerprint_or_none(claim.payload) == claim.payload_sha256
         if not stored_ok or (payload is not None and claim.payload_sha256 != payload[1]):
             # Same key, different payload: never guessed, never sent. A person decides.
             await self._record(

@@ -42,6 +42,39 @@ async def test_happy_path_commits_at_most_n_plus_3(world: World) -> None:
     assert (await world.shop.counts())["email.send"] == 1
 
 
+async def test_happy_path_reads_nothing_back_and_sends_one_statement_per_commit(
+    world: World,
+) -> None:
+    # Every claim on the happy path is of a never-attempted effect, whose outcome the driver
+    # knows: a blind write (effects.claim_fresh), not an UPDATE ... RETURNING read back. So no
+    # statement takes SQLAlchemy's cursor path, and on PostgreSQL each local transaction is
+    # one statement of held-back writes (no BEGIN, no read).
+    from sqlalchemy import event
+
+    saga = order_saga()
+    await world.orch.register(saga)
+    await world.orch.execute(saga, order("41"))  # warm: definitions, statement caches
+    read_back: list[str] = []
+
+    def seen(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        read_back.append(statement)
+
+    engine = world.orch.store.engine.sync_engine
+    event.listen(engine, "before_cursor_execute", seen)
+    try:
+        before = world.orch.store.stats.snapshot()
+        result = await world.orch.execute(saga, order("42"))
+    finally:
+        event.remove(engine, "before_cursor_execute", seen)
+    assert result.status is TxState.COMMITTED
+    assert read_back == []
+    commits = world.orch.store.stats.commits - before.commits
+    statements = world.orch.store.stats.statements - before.statements
+    assert commits == 4
+    if world.urls.store.startswith("postgresql"):
+        assert statements == commits
+
+
 async def test_same_tx_id_with_different_payload_is_refused_before_any_call(world: World) -> None:
     first = await world.orch.execute(order_saga(), order("42", amount=100), tx_id="order-42")
     assert first.committed
