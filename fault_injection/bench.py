@@ -338,7 +338,11 @@ async def driver_commit_rate(
 ) -> float:
     """Small commits per second (one-row ``INSERT`` + commit each) through the engine settings
     the store uses, on ``connections`` connections at once; the scratch table is dropped after."""
-    engine = dialects.create_engine(url, sqlite_synchronous=sqlite_synchronous)
+    engine = dialects.create_engine(
+        url,
+        sqlite_synchronous=sqlite_synchronous,
+        pg_pool_size=max(dialects.PG_POOL_SIZE, connections),
+    )
     try:
         async with engine.begin() as conn:
             await conn.run_sync(_scratch_meta.drop_all)
@@ -418,6 +422,8 @@ async def _run_on(config: BenchConfig, urls: DatabasePair) -> BenchResult:
         settings = EngineSettings(
             worker_id=f"bench-{uuid.uuid4().hex[:8]}",
             sqlite_synchronous=config.sqlite_synchronous,
+            # Every saga in flight holds a connection during each of its local transactions.
+            pg_pool_size=max(dialects.PG_POOL_SIZE, config.concurrency),
         )
         orch = await Orchestrator.open(urls.store, providers=wrapped, settings=settings)
         async with orch:
@@ -443,9 +449,9 @@ async def _run_on(config: BenchConfig, urls: DatabasePair) -> BenchResult:
             check.problems[:0] = problems
             check.ok = check.ok and not problems
 
-        # SQLite has one writer, so more connections only queue on its lock; PostgreSQL scales
-        # with connections up to the store's pool.
-        connections = 1 if urls.backend == "sqlite" else min(config.concurrency, 10)
+        # SQLite has one writer, so more connections only queue on its lock; on PostgreSQL the
+        # loop runs as many connections as sagas were in flight.
+        connections = 1 if urls.backend == "sqlite" else config.concurrency
         driver = await driver_commit_rate(
             urls.store,
             seconds=config.driver_seconds,

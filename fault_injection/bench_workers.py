@@ -58,6 +58,7 @@ from fault_injection.bench import (
 )
 from fault_injection.harness import DatabasePair
 from fault_injection.sagas import STOCK, order, order_saga
+from ledger import dialects
 from ledger.effects import EffectKind, count_unsettled
 from ledger.states import TxState
 from ledger.transactions import count_by_status
@@ -325,7 +326,9 @@ async def _run_workers(config: BenchConfig, urls: DatabasePair, workdir: Path) -
         check.problems[:0] = problems
         check.ok = check.ok and not problems
 
-        connections = 1 if urls.backend == "sqlite" else min(w * config.concurrency, 10)
+        connections = (
+            1 if urls.backend == "sqlite" else min(w * config.concurrency, dialects.PG_POOL_SIZE)
+        )
         driver = await driver_commit_rate(
             urls.store,
             seconds=config.driver_seconds,
@@ -471,7 +474,11 @@ async def run_recovery_bench(config: BenchConfig, urls: DatabasePair) -> BenchRe
     check = CheckOutcome(not problems, effects, n, problems)
     cpu = (children1.ru_utime + children1.ru_stime) - (children0.ru_utime + children0.ru_stime)
 
-    connections = 1 if urls.backend == "sqlite" else min(config.workers * config.concurrency, 10)
+    connections = (
+        1
+        if urls.backend == "sqlite"
+        else min(config.workers * config.concurrency, dialects.PG_POOL_SIZE)
+    )
     driver = await driver_commit_rate(
         urls.store,
         seconds=config.driver_seconds,

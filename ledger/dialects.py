@@ -62,12 +62,16 @@ def normalize_url(url: str) -> str:
     return parsed.render_as_string(hide_password=False)
 
 
+#: PostgreSQL connections a store keeps open by default (EngineSettings.pg_pool_size).
+PG_POOL_SIZE = 20
+
+
 def create_engine(
     url: str,
     *,
     sqlite_synchronous: str = "FULL",
     sqlite_busy_timeout_ms: int = 10_000,
-    pg_pool_size: int = 10,
+    pg_pool_size: int = PG_POOL_SIZE,
     pg_lock_timeout_ms: int = 10_000,
 ) -> AsyncEngine:
     """An engine for ``url`` with the settings the protocol relies on."""

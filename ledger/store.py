@@ -330,12 +330,15 @@ class Store:
         auto_upgrade: Literal["empty", "always", "never"] = "empty",
         clock: Callable[[], float] = time.time,
         sqlite_synchronous: str = "FULL",
+        pg_pool_size: int = dialects.PG_POOL_SIZE,
     ) -> Store:
         """Connect, check (or create) the schema, and return a ready store."""
         from ledger import migrate  # local: migrations import the schema, not the store
 
         url = dialects.normalize_url(url)
-        engine = dialects.create_engine(url, sqlite_synchronous=sqlite_synchronous)
+        engine = dialects.create_engine(
+            url, sqlite_synchronous=sqlite_synchronous, pg_pool_size=pg_pool_size
+        )
         try:
             await migrate.ensure_schema(engine, auto_upgrade=auto_upgrade)
         except BaseException as exc:

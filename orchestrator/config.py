@@ -41,6 +41,11 @@ class EngineSettings(BaseModel):
     max_output_bytes: int = Field(default=1_048_576, ge=1, le=64 * 1_048_576)
     #: SQLite ``synchronous`` pragma (FULL survives power loss; NORMAL only process crashes).
     sqlite_synchronous: str = Field(default="FULL", pattern="^(OFF|NORMAL|FULL|EXTRA)$")
+    #: PostgreSQL connections kept open (and as many again in a burst). Size it to the local
+    #: transactions this process runs at once (sagas in flight): a burst connection is closed
+    #: when it is checked in, so running above the pool opens and closes a connection (and
+    #: re-prepares its statements) every transaction.
+    pg_pool_size: int = Field(default=20, ge=1, le=1000)
 
     @property
     def lease_ms(self) -> int:

@@ -164,6 +164,7 @@ class Orchestrator:
                 auto_upgrade=auto_upgrade,
                 clock=clock,
                 sqlite_synchronous=settings.sqlite_synchronous,
+                pg_pool_size=settings.pg_pool_size,
             )
         except SchemaOutdated as exc:
             raise SchemaOutdatedError(str(exc)) from exc

@@ -1,0 +1,90 @@
+"""The PostgreSQL connection pool is sized for the transactions in flight (pg_pool_size).
+
+PostgreSQL only: a SQLite store keeps one writer connection (test_group_commit.py). What could
+break: a pool smaller than the local transactions a process runs at once. SQLAlchemy closes a
+burst ("overflow") connection as soon as it is checked in, so each transaction above the pool
+opened a new connection, authenticated and prepared its statements again; with 16 sagas in
+flight that was half of the engine's CPU per saga.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from sqlalchemy import event, text
+
+from ledger import dialects
+from ledger.store import Store
+from orchestrator.config import EngineSettings
+from tests.conftest import DbUrls
+
+IN_FLIGHT = 16
+
+
+@pytest.fixture
+def backend() -> str:  # overrides the parametrized fixture: this file is PostgreSQL's alone
+    from tests.conftest import require_pg
+
+    require_pg()
+    return "postgres"
+
+
+async def _rounds_of_concurrent_transactions(store: Store, rounds: int) -> list[int]:
+    """New server connections opened in each round of IN_FLIGHT transactions held at once."""
+    opened = [0]
+
+    def on_connect(*_: object) -> None:
+        opened[0] += 1
+
+    event.listen(store.engine.sync_engine.pool, "connect", on_connect)
+    per_round = []
+    try:
+        for _ in range(rounds):
+            before = opened[0]
+            all_in = asyncio.Barrier(IN_FLIGHT)
+
+            async def one(all_in: asyncio.Barrier = all_in) -> None:
+                async with store.transaction() as work:
+                    await work.conn.execute(text("SELECT 1"))
+                    await all_in.wait()  # every transaction holds its connection at once
+
+            await asyncio.gather(*(one() for _ in range(IN_FLIGHT)))
+            per_round.append(opened[0] - before)
+    finally:
+        event.remove(store.engine.sync_engine.pool, "connect", on_connect)
+    return per_round
+
+
+async def test_transactions_in_flight_within_the_pool_reuse_their_connections(
+    db_urls: DbUrls,
+) -> None:
+    assert EngineSettings().pg_pool_size >= IN_FLIGHT
+    store = await Store.open(db_urls.store, pg_pool_size=EngineSettings().pg_pool_size)
+    try:
+        first, *later = await _rounds_of_concurrent_transactions(store, 3)
+    finally:
+        await store.close()
+    assert first <= IN_FLIGHT
+    assert later == [0, 0]  # nothing reopened: every connection went back to the pool
+
+
+async def test_above_the_pool_every_round_reopens_its_burst_connections(db_urls: DbUrls) -> None:
+    # The cost the default pool size exists to avoid, shown with a pool of 10.
+    store = await Store.open(db_urls.store, pg_pool_size=10)
+    try:
+        _, *later = await _rounds_of_concurrent_transactions(store, 3)
+    finally:
+        await store.close()
+    assert later == [IN_FLIGHT - 10] * 2
+    assert EngineSettings().pg_pool_size == dialects.PG_POOL_SIZE
+
+
+async def test_the_engine_setting_sizes_the_stores_pool(db_urls: DbUrls) -> None:
+    from orchestrator.engine import Orchestrator
+
+    orch = await Orchestrator.open(db_urls.store, settings=EngineSettings(pg_pool_size=7))
+    try:
+        assert orch.store.engine.sync_engine.pool.size() == 7  # type: ignore[attr-defined]
+    finally:
+        await orch.close()
