@@ -42,6 +42,8 @@ from sqlalchemy.sql import Executable
 from sqlalchemy.sql.compiler import SQLCompiler
 
 from ledger import batched
+from ledger.errors import StoreUnavailable
+from ledger.grouped import GroupSender
 from ledger.sqlite_inline import InlineConnection
 
 
@@ -84,9 +86,16 @@ def _compile(stmt: Executable, dialect: Dialect, keys: tuple[str, ...]) -> Compi
 class HotPath:
     """The per-store cache of compiled hot statements, and their execution."""
 
-    def __init__(self, dialect: Dialect, count: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        dialect: Dialect,
+        count: Callable[[], None],
+        grouped: Callable[[int], None] = lambda _n: None,
+    ) -> None:
         self._dialect = dialect
         self._count = count
+        #: PostgreSQL: blind transactions of one shape in flight together share a commit.
+        self._groups = GroupSender(grouped)
         # (id of the statement object, parameter keys) -> compiled form, or None if ineligible.
         # The statement objects are the store's cached ones, alive as long as the store; the
         # entry holds the statement too, so an id is never reused while it is here.
@@ -132,7 +141,13 @@ class HotPath:
         try:
             if not final:
                 await _begun(fairy)
+            elif not fairy.dbapi_connection._started and await self._groups.send(
+                fairy.driver_connection, sql, args
+            ):
+                return  # nothing began it: sent in an implicit transaction, alone or grouped
             await fairy.driver_connection.execute(sql, *args)
+        except StoreUnavailable:
+            raise  # a group's outcome is unknown: this connection itself is sound
         except Exception as exc:
             lost = batched.lease_lost_in(exc, writes)
             if lost is not None:

@@ -1,0 +1,156 @@
+"""PostgreSQL group commit: concurrent blind transactions of one shape share a round trip.
+
+Why: on PostgreSQL each happy-path local transaction is already one statement sent without
+``BEGIN`` (:mod:`ledger.batched`), and what is left of the engine's client CPU per saga is
+mostly the socket write and the driver's per-call work around those four statements
+(``docs/benchmarks.md``). Sagas in flight together produce many such statements at once, and
+those of the same transition (say, "record a step, claim the next") have the same SQL text. So
+when a statement's shape is already on its way to the server, the transactions that end with
+the same shape wait for it and are then sent together as one asyncpg ``executemany``: one
+prepared statement, one pipelined round trip, one implicit transaction, one commit. It is the
+SQLite commit group's idea (DESIGN "Commit economy") with no waiting added: a transaction
+whose shape is idle is sent at once, alone, exactly as before, so a single saga is unchanged.
+
+Each member's transaction stays its own in every outcome that matters:
+
+* **Success**: ``executemany`` is atomic, so every member's writes are committed together,
+  each member's as a whole.
+* **The server refuses the batch** (a stale fence's ``CAST``, a duplicate key, any SQL error):
+  nothing of it was committed, and every member sends its own statement again, alone, on its
+  own connection — so each learns its own outcome, with its own error, as if there had been
+  no group.
+* **The outcome is unknown** (the sending connection was lost, or its task cancelled, with the
+  batch in flight): every member fails as :class:`~ledger.errors.StoreUnavailable`, as a
+  transaction whose connection drops during its commit does. What was committed is durable
+  and recovery reads it back.
+
+Members wait on futures; the member that sent a batch hands the next one (everyone who queued
+meanwhile) to the first of them, which sends it on its own connection. A member cancelled while
+queued leaves the queue; one cancelled just as the batch was handed to it passes it on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import asyncpg
+
+from ledger.errors import StoreUnavailable
+
+
+@dataclass(eq=False, slots=True)
+class _Member:
+    args: Sequence[Any]
+    #: Resolved with the member's outcome: ``True`` committed, ``False`` send alone, a
+    #: :class:`_Lead` (send this batch), or an exception (outcome unknown).
+    woken: asyncio.Future[Any] | None
+
+
+@dataclass(frozen=True, slots=True)
+class _Lead:
+    batch: list[_Member]
+
+
+class _Shape:
+    __slots__ = ("busy", "waiting")
+
+    def __init__(self) -> None:
+        #: A batch of this shape is on its way (or has been handed to a member to send).
+        self.busy = False
+        self.waiting: list[_Member] = []
+
+
+class GroupSender:
+    """Per store: sends blind transactions' statements, grouping those of one shape that
+    arrive while another of that shape is in flight."""
+
+    def __init__(self, grouped: Callable[[int], None]) -> None:
+        #: Called with the number of member transactions whose commit rode on another's.
+        self._grouped = grouped
+        self._shapes: dict[str, _Shape] = {}
+
+    async def send(self, driver: asyncpg.Connection, sql: str, args: Sequence[Any]) -> bool:
+        """Run ``sql`` with ``args`` in an implicit transaction of its own or of a group.
+
+        ``True``: committed. ``False``: it went in a batch the server refused, and nothing of
+        it was committed — the caller sends it alone to learn its own outcome. A server error
+        of a statement sent alone, and any error whose outcome is unknown, is raised."""
+        shape = self._shapes.get(sql)
+        if shape is None:
+            shape = self._shapes[sql] = _Shape()
+        if not shape.busy:
+            shape.busy = True
+            me = _Member(args, None)
+            return await self._lead(driver, sql, shape, [me], me)
+        me = _Member(args, asyncio.get_running_loop().create_future())
+        shape.waiting.append(me)
+        assert me.woken is not None
+        try:
+            outcome = await me.woken
+        except asyncio.CancelledError:
+            if not me.woken.done() or me.woken.cancelled():
+                if me in shape.waiting:
+                    shape.waiting.remove(me)
+            elif isinstance(me.woken.result(), _Lead):
+                # Handed a batch but cancelled before sending it: the others go first in line.
+                rest = [m for m in me.woken.result().batch if m is not me]
+                shape.waiting[:0] = rest
+                self._hand_off(shape)
+            raise
+        if isinstance(outcome, _Lead):
+            return await self._lead(driver, sql, shape, outcome.batch, me)
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return bool(outcome)
+
+    async def _lead(
+        self,
+        driver: asyncpg.Connection,
+        sql: str,
+        shape: _Shape,
+        batch: list[_Member],
+        me: _Member,
+    ) -> bool:
+        # A member cancelled while it queued has left: its writes are not sent.
+        others = [m for m in batch if m is not me and m.woken is not None and not m.woken.done()]
+        batch = [me, *others]
+        settled: Any = True
+        try:
+            if others:
+                await driver.executemany(sql, [m.args for m in batch])
+                self._grouped(len(others))
+            else:
+                await driver.execute(sql, *me.args)
+        except asyncpg.PostgresError:
+            if not others:
+                raise  # alone: its own error, handled by the caller as any statement's
+            settled = False  # nothing committed: each member resends alone
+            return False
+        except BaseException:
+            settled = "unknown"
+            raise
+        finally:
+            for m in others:
+                assert m.woken is not None
+                if not m.woken.done():
+                    m.woken.set_result(
+                        StoreUnavailable("the grouped commit's connection failed: outcome unknown")
+                        if settled == "unknown"
+                        else settled
+                    )
+            self._hand_off(shape)
+        return True
+
+    @staticmethod
+    def _hand_off(shape: _Shape) -> None:
+        waiting = [m for m in shape.waiting if m.woken is not None and not m.woken.done()]
+        shape.waiting = []
+        if not waiting:
+            shape.busy = False
+            return
+        first = waiting[0].woken
+        assert first is not None
+        first.set_result(_Lead(waiting))

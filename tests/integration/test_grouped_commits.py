@@ -1,0 +1,124 @@
+"""Concurrent local transactions sharing commits, on both backends: each keeps its own outcome.
+
+On PostgreSQL, blind transactions of one shape that end while another of that shape is in
+flight are sent together as one ``executemany`` (ledger/grouped.py); on SQLite, transactions in
+flight together share one physical transaction (the commit group, test_group_commit.py). What
+could break: a member's writes committed only in part, or not at all while it was told they
+were; one member's stale fence or duplicate key failing the others, or being reported to the
+wrong one; the commits not actually shared (a cost: counted, on PostgreSQL, where the test
+holds every transaction at its end so that they meet).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+
+from ledger import events, transactions
+from ledger.errors import DuplicateKey, LeaseLost
+from ledger.states import TxState
+from ledger.store import Store, Work
+from tests.conftest import DbUrls
+from tests.support.bare_store import bare_store, insert_tx
+
+MEMBERS = 8
+
+
+@pytest.fixture
+async def store(db_urls: DbUrls) -> AsyncIterator[Store]:
+    async with bare_store(db_urls.store) as store:
+        yield store
+
+
+async def _together(
+    store: Store, backend: str, bodies: list[Callable[[Work], Awaitable[None]]]
+) -> list[BaseException | None]:
+    """Run one local transaction per body at once; each one's error (or ``None``)."""
+    # PostgreSQL: every transaction waits at its end until all are there, so they end together
+    # (SQLite's commit group runs its members' bodies one at a time: no barrier there).
+    at_end = asyncio.Barrier(len(bodies)) if backend == "postgres" else None
+
+    async def one(body: Callable[[Work], Awaitable[None]]) -> None:
+        async with store.transaction() as work:
+            await body(work)
+            if at_end is not None:
+                await at_end.wait()
+
+    outcomes = await asyncio.gather(*(one(b) for b in bodies), return_exceptions=True)
+    return [o if isinstance(o, BaseException) else None for o in outcomes]
+
+
+async def _status(store: Store, tx_id: str) -> TxState | None:
+    async with store.read() as conn:
+        record = await transactions.get(conn, tx_id)
+    return None if record is None else record.status
+
+
+def _inserting(tx_id: str) -> Callable[[Work], Awaitable[None]]:
+    async def body(work: Work) -> None:
+        await insert_tx(work, tx_id)
+
+    return body
+
+
+async def test_transactions_ending_together_share_commits_and_all_land(
+    store: Store, backend: str
+) -> None:
+    before = store.stats.snapshot()
+    outcomes = await _together(store, backend, [_inserting(f"tx-{n}") for n in range(MEMBERS)])
+    assert outcomes == [None] * MEMBERS
+    for n in range(MEMBERS):
+        assert await _status(store, f"tx-{n}") is TxState.EXECUTING
+        async with store.read() as conn:
+            assert await events.verify(conn, f"tx-{n}") == []
+    commits = store.stats.commits - before.commits
+    if backend == "postgres":
+        # The first is sent alone; the seven that ended while it was in flight go as one.
+        assert commits == 2
+        assert store.stats.statements - before.statements == MEMBERS
+    else:
+        assert commits < MEMBERS
+
+
+async def test_a_stale_member_loses_its_lease_alone(store: Store, backend: str) -> None:
+    claims = []
+    async with store.transaction() as work:
+        for n in range(MEMBERS):
+            claims.append(await insert_tx(work, f"tx-{n}"))
+    async with store.read() as conn:
+        chains = [await events.chain_of(conn, f"tx-{n}") for n in range(MEMBERS)]
+    # Member 3 holds a fence another holder has since replaced.
+    claims[3] = transactions.TxClaim("tx-3", claims[3].fence + 1, claims[3].status, "w1")
+
+    def failing(n: int) -> Callable[[Work], Awaitable[None]]:
+        async def body(work: Work) -> None:  # blind, and the same shape for every member
+            await transactions.transition(work, chains[n], claims[n], TxState.FAILED, action="f")
+
+        return body
+
+    outcomes = await _together(store, backend, [failing(n) for n in range(MEMBERS)])
+
+    assert isinstance(outcomes[3], LeaseLost) and "tx-3" in str(outcomes[3])
+    assert [o for i, o in enumerate(outcomes) if i != 3] == [None] * (MEMBERS - 1)
+    assert await _status(store, "tx-3") is TxState.EXECUTING
+    for n in set(range(MEMBERS)) - {3}:
+        assert await _status(store, f"tx-{n}") is TxState.FAILED
+        async with store.read() as conn:
+            assert await events.verify(conn, f"tx-{n}") == []
+
+
+async def test_a_duplicate_member_is_refused_alone(store: Store, backend: str) -> None:
+    async with store.transaction() as work:
+        await insert_tx(work, "tx-dup")
+    bodies = [_inserting(f"tx-{n}") for n in range(MEMBERS - 1)]
+    bodies.insert(5, _inserting("tx-dup"))  # same shape as the others: same batch
+    outcomes = await _together(store, backend, bodies)
+
+    assert isinstance(outcomes[5], DuplicateKey)
+    assert [o for i, o in enumerate(outcomes) if i != 5] == [None] * (MEMBERS - 1)
+    for n in range(MEMBERS - 1):
+        assert await _status(store, f"tx-{n}") is TxState.EXECUTING
+    async with store.read() as conn:
+        assert [e.action for e in await events.read(conn, "tx-dup")] == ["prepare", "start"]
