@@ -765,6 +765,24 @@ async def for_tx(conn: AsyncConnection, kind: EffectKind, tx_id: str) -> list[Ef
     return [_effect(kind, row) for row in (await conn.execute(stmt)).all()]
 
 
+async def for_txs(
+    conn: AsyncConnection, kind: EffectKind, tx_ids: Sequence[str]
+) -> dict[str, list[Effect]]:
+    """:func:`for_tx` of several transactions in one statement (every id gets a list)."""
+    table = _TABLES[kind]
+    found: dict[str, list[Effect]] = {tx_id: [] for tx_id in tx_ids}
+    if not tx_ids:
+        return found
+    stmt = (
+        select(table)
+        .where(table.c.tx_id.in_(bindparam("p_tx_ids", expanding=True)))
+        .order_by(table.c.tx_id, table.c.ordinal)
+    )
+    for row in (await conn.execute(stmt, {"p_tx_ids": list(tx_ids)})).all():
+        found[row.tx_id].append(_effect(kind, row))
+    return found
+
+
 async def due(
     conn: AsyncConnection, kind: EffectKind, now: ColumnElement[int], *, limit: int = 100
 ) -> list[Effect]:

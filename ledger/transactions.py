@@ -508,6 +508,17 @@ async def claim_due(work: Work, *, owner: str, lease_ms: int, limit: int) -> lis
     return claimed
 
 
+async def get_many(conn: AsyncConnection, tx_ids: Sequence[str]) -> dict[str, TxRecord]:
+    """The transactions of ``tx_ids`` that exist, by id, in one statement."""
+    if not tx_ids:
+        return {}
+    stmt = select(transactions).where(
+        transactions.c.tx_id.in_(bindparam("p_tx_ids", expanding=True))
+    )
+    rows = (await conn.execute(stmt, {"p_tx_ids": list(tx_ids)})).all()
+    return {row.tx_id: _record(row) for row in rows}
+
+
 async def get(conn: AsyncConnection, tx_id: str) -> TxRecord | None:
     """One transaction by id."""
     row = (await conn.execute(select(transactions).where(transactions.c.tx_id == tx_id))).first()

@@ -20,7 +20,7 @@ import contextlib
 import time
 import uuid
 import weakref
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Self
 
@@ -709,6 +709,7 @@ class Orchestrator:
                 claimed = await transactions.claim_due(
                     work, owner=s.worker_id, lease_ms=s.lease_ms, limit=limit
                 )
+                runs = await self.load_claimed(work.conn, claimed)
             async with self.store.read() as conn:
                 due_events = await effects.due(
                     conn, EffectKind.OUTBOX, self.store.db_now(), limit=limit
@@ -718,7 +719,8 @@ class Orchestrator:
             log.warning("recovery claim failed", error=type(exc).__name__)
             return report
         for c in claimed:
-            await self._guarded(report, self.drive_claimed(c), c.txc.tx_id)
+            run = runs[c.txc.tx_id]
+            await self._guarded(report, self.drive_claimed(c, run=run), c.txc.tx_id)
         for tx_id in dict.fromkeys(e.tx_id for e in due_events):
             await self._guarded(report, self.dispatch_outbox(tx_id), tx_id, outbox=True)
         return report
@@ -742,16 +744,53 @@ class Orchestrator:
                 report.transactions += 1
             report.tx_ids.append(tx_id)
 
+    async def load_claimed(
+        self, conn: Any, claimed: Sequence[transactions.ClaimedTx]
+    ) -> dict[str, SagaRun]:
+        """The runs of transactions just claimed, by id: four statements for the whole batch
+        (the transactions, then each effect table), run in the claim's own local transaction.
+
+        A run loaded here is as good as one loaded when its drive starts: the holder of the
+        transaction lease is the only writer of its rows, and every write the drive makes is
+        fenced or pinned (a row that moved under it raises :class:`LeaseLost`)."""
+        ids = [c.txc.tx_id for c in claimed]
+        if not ids:
+            return {}
+        records = await transactions.get_many(conn, ids)
+        ops = await effects.for_txs(conn, EffectKind.OPERATION, ids)
+        reversals = await effects.for_txs(conn, EffectKind.COMPENSATION, ids)
+        outbox = await effects.for_txs(conn, EffectKind.OUTBOX, ids)
+        runs: dict[str, SagaRun] = {}
+        for c in claimed:
+            tx = records[c.txc.tx_id]
+            runs[tx.tx_id] = SagaRun(
+                self._services,
+                await self._definition(tx.definition_digest),
+                tx.tx_id,
+                dict(tx.inputs),
+                c.txc,
+                c.chain,
+                ops[tx.tx_id],
+                reversals[tx.tx_id],
+                outbox[tx.tx_id],
+                context=tx.context,
+                execution_id=tx.execution_id,
+            )
+        return runs
+
     async def drive_claimed(
         self,
         claimed: transactions.ClaimedTx,
         *,
         should_stop: Callable[[], bool] | None = None,
+        run: SagaRun | None = None,
     ) -> TxState:
         """Drive a transaction this engine holds the lease of, until it is terminal, parked or
-        waiting; ``should_stop`` ends the drive after the current write (lease released)."""
+        waiting; ``should_stop`` ends the drive after the current write (lease released).
+        ``run``: its run as :meth:`load_claimed` loaded it with the claim (else loaded here)."""
         async with self.store.transaction() as work:
-            run = await self._load_run(work.conn, claimed.chain, claimed.txc)
+            if run is None:
+                run = await self._load_run(work.conn, claimed.chain, claimed.txc)
             run.should_stop = should_stop
             claim = await run._advance(work, eager=False)
         run._after_commit_milestones()

@@ -24,6 +24,7 @@ from ledger import effects, transactions
 from ledger.effects import EffectKind
 from ledger.errors import LeaseLost, StorageError
 from orchestrator.callback_delivery import deliver_due
+from orchestrator.driver import SagaRun
 from orchestrator.engine import Orchestrator
 
 log = structlog.get_logger(__name__)
@@ -103,8 +104,8 @@ class Worker:
             self.stats.errors += 1
             log.warning("claim pass failed", error=type(exc).__name__)
             return 0
-        for txc in claimed:
-            self._spawn(self._drive(txc))
+        for txc, run in claimed:
+            self._spawn(self._drive(txc, run))
         for tx_id in due_events:
             self._spawn(self._dispatch(tx_id))
         return len(claimed) + len(due_events) + await self._deliver_callbacks()
@@ -142,24 +143,28 @@ class Worker:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._stopping.wait(), delay)
 
-    async def _claim(self, limit: int) -> list[transactions.ClaimedTx]:
+    async def _claim(self, limit: int) -> list[tuple[transactions.ClaimedTx, SagaRun]]:
         s = self.orch.settings
         with self.orch.metrics.claim_latency.time():
             async with self.orch.store.transaction() as work:
                 claimed = await transactions.claim_due(
                     work, owner=s.worker_id, lease_ms=s.lease_ms, limit=limit
                 )
+                # Loaded with the claim: each drive's first transaction is then its writes.
+                runs = await self.orch.load_claimed(work.conn, claimed)
         self.stats.claimed += len(claimed)
-        return claimed
+        return [(c, runs[c.txc.tx_id]) for c in claimed]
 
     async def _due_events(self, limit: int) -> list[str]:
         async with self.orch.store.read() as conn:
             rows = await effects.due(conn, EffectKind.OUTBOX, self.orch.store.db_now(), limit=limit)
         return list(dict.fromkeys(r.tx_id for r in rows))
 
-    async def _drive(self, claimed: transactions.ClaimedTx) -> None:
+    async def _drive(self, claimed: transactions.ClaimedTx, run: SagaRun) -> None:
         try:
-            status = await self.orch.drive_claimed(claimed, should_stop=lambda: self.stopping)
+            status = await self.orch.drive_claimed(
+                claimed, should_stop=lambda: self.stopping, run=run
+            )
         except LeaseLost:
             self.stats.lease_lost += 1
             self.orch.metrics.lease_losses.inc()

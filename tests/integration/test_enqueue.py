@@ -95,3 +95,38 @@ async def test_two_workers_share_enqueued_sagas_and_each_effect_happens_once(
         12,
     )
     assert not [c for c in await world.shop.calls() if c.call == "lookup"]
+
+
+async def _reads_of_one_recovery_pass(world: World, sagas: int) -> int:
+    """Statements through SQLAlchemy's cursor (reads and claims with RETURNING: the hot path's
+    writes take none) while one recovery pass drives ``sagas`` enqueued sagas to the end."""
+    from sqlalchemy import event
+
+    saga = order_saga()
+    queued = [await world.orch.enqueue(saga, order(f"r{sagas}-{n}")) for n in range(sagas)]
+    worker = await world.engine()
+    await worker.register(saga)
+    seen: list[str] = []
+
+    def on_cursor(_conn: object, _cursor: object, statement: str, *_: object) -> None:
+        if not statement.startswith(("BEGIN", "PRAGMA", "SAVEPOINT", "RELEASE")):
+            seen.append(statement)
+
+    engine = worker.store.engine.sync_engine
+    event.listen(engine, "before_cursor_execute", on_cursor)
+    try:
+        report = await worker.recover(limit=16)
+    finally:
+        event.remove(engine, "before_cursor_execute", on_cursor)
+    assert report.transactions == sagas
+    for q in queued:
+        assert (await worker.result(q.tx_id)).status is TxState.COMMITTED
+    return len(seen)
+
+
+async def test_a_recovery_pass_loads_its_whole_batch_with_the_claim(world: World) -> None:
+    # The claim, the batch's chains and its runs (the transactions and each effect table) are
+    # read once per pass, whatever its size; every drive after that only writes.
+    assert await _reads_of_one_recovery_pass(world, 2) == await _reads_of_one_recovery_pass(
+        world, 6
+    )
