@@ -223,16 +223,12 @@ def _claim_statement(
 ) -> ReturningUpdate[Any]:
     table = _TABLES[kind]
     values: dict[str, Any] = {
-        "state": EffectState.EXECUTING.value,
+        **_claimed(table, now),
         "claimed_from": table.c.state,
-        "fence": table.c.fence + 1,
-        "lease_owner": bindparam("p_owner"),
-        "lease_until": now + bindparam("p_lease_ms", type_=BigInteger),
         "attempts": table.c.attempts + 1,
         "first_attempt_at": case(
             (table.c.first_attempt_at.is_(None), now), else_=table.c.first_attempt_at
         ),
-        "updated_at": bindparam("p_updated_at", type_=BigInteger),
     }
     if with_payload:
         values["payload"] = case(
@@ -251,13 +247,27 @@ def _claim_statement(
     if due_only:
         conditions.append(or_(table.c.next_attempt_at.is_(None), table.c.next_attempt_at <= now))
     if tx_fenced:
-        conditions.append(
-            exists().where(
-                transactions.c.tx_id == table.c.tx_id,
-                transactions.c.fence == bindparam("p_tx_fence", type_=BigInteger),
-            )
-        )
+        conditions.append(_tx_fence_holds(table))
     return update(table).where(and_(*conditions)).values(values).returning(*table.c)
+
+
+def _claimed(table: Table, now: ColumnElement[int]) -> dict[str, Any]:
+    """What every claim sets: executing, the next fence, the claimer's lease (database clock)."""
+    return {
+        "state": EffectState.EXECUTING.value,
+        "fence": table.c.fence + 1,
+        "lease_owner": bindparam("p_owner"),
+        "lease_until": now + bindparam("p_lease_ms", type_=BigInteger),
+        "updated_at": bindparam("p_updated_at", type_=BigInteger),
+    }
+
+
+def _tx_fence_holds(table: Table) -> ColumnElement[bool]:
+    """The effect's transaction still carries the claimer's fence (``p_tx_fence``)."""
+    return exists().where(
+        transactions.c.tx_id == table.c.tx_id,
+        transactions.c.fence == bindparam("p_tx_fence", type_=BigInteger),
+    )
 
 
 def is_fresh(e: Effect) -> bool:
@@ -280,14 +290,10 @@ def _claim_fresh_statement(
     ``WHERE`` pins them (so the ``SET`` has one outcome) and there is no ``RETURNING``."""
     table = _TABLES[kind]
     values: dict[str, Any] = {
-        "state": EffectState.EXECUTING.value,
+        **_claimed(table, now),
         "claimed_from": EffectState.PENDING.value,
-        "fence": table.c.fence + 1,
-        "lease_owner": bindparam("p_owner"),
-        "lease_until": now + bindparam("p_lease_ms", type_=BigInteger),
         "attempts": 1,
         "first_attempt_at": now,
-        "updated_at": bindparam("p_updated_at", type_=BigInteger),
     }
     if set_payload:
         values["payload"] = bindparam("p_payload", type_=Json)
@@ -306,10 +312,7 @@ def _claim_fresh_statement(
                 if stored
                 else table.c.payload_sha256.is_(None)
             ),
-            exists().where(
-                transactions.c.tx_id == table.c.tx_id,
-                transactions.c.fence == bindparam("p_tx_fence", type_=BigInteger),
-            ),
+            _tx_fence_holds(table),
         )
         .values(values)
     )
@@ -421,34 +424,42 @@ async def insert(
             to_state=EffectState.PENDING.value,
             detail={"kind": kind.value, "name": e.name, "provider": e.provider, "action": e.action},
         )
-    if claim_first is not None:
-        work.log(
-            chain,
-            action="claim",
-            subject=new[0].key,
-            from_state=EffectState.PENDING.value,
-            to_state=EffectState.EXECUTING.value,
-            detail={"fence": 1, "owner": claim_first[0], "attempt": 1},
-        )
     if claim_first is None:
         return None
     first = new[0]
-    return Claim(
-        kind=kind,
-        key=first.key,
-        tx_id=first.tx_id,
-        name=first.name,
-        provider=first.provider,
-        action=first.action,
-        fence=1,
-        previous=EffectState.PENDING,
-        attempts=1,
-        lookups=0,
-        first_attempt_at=None,
-        payload=first.payload,
-        payload_sha256=first.payload_sha256,
-        owner=claim_first[0],
+    return _logged(
+        work,
+        chain,
+        Claim(
+            kind=kind,
+            key=first.key,
+            tx_id=first.tx_id,
+            name=first.name,
+            provider=first.provider,
+            action=first.action,
+            fence=1,
+            previous=EffectState.PENDING,
+            attempts=1,
+            lookups=0,
+            first_attempt_at=None,
+            payload=first.payload,
+            payload_sha256=first.payload_sha256,
+            owner=claim_first[0],
+        ),
     )
+
+
+def _logged(work: Work, chain: Chain, claim_: Claim) -> Claim:
+    """``claim_`` after its ledger row (every way of claiming writes the same one)."""
+    work.log(
+        chain,
+        action="claim",
+        subject=claim_.key,
+        from_state=claim_.previous.value,
+        to_state=EffectState.EXECUTING.value,
+        detail={"fence": claim_.fence, "owner": claim_.owner, "attempt": claim_.attempts},
+    )
+    return claim_
 
 
 async def claim(
@@ -493,16 +504,7 @@ async def claim(
     row = (await work.conn.execute(stmt, params)).first()
     if row is None:
         return None
-    result = _claim_from_row(kind, row, owner, lease_ms)
-    work.log(
-        chain,
-        action="claim",
-        subject=key,
-        from_state=result.previous.value,
-        to_state=EffectState.EXECUTING.value,
-        detail={"fence": result.fence, "owner": owner, "attempt": result.attempts},
-    )
-    return result
+    return _logged(work, chain, _claim_from_row(kind, row, owner, lease_ms))
 
 
 async def claim_fresh(
@@ -556,31 +558,26 @@ async def claim_fresh(
         lost=LeaseLost(f"{known.kind.value} {known.key} (changed under its holder)", tx_fence),
         row=(known.kind.value, known.key),
     )
-    fence = known.fence + 1
-    work.log(
+    return _logged(
+        work,
         chain,
-        action="claim",
-        subject=known.key,
-        from_state=EffectState.PENDING.value,
-        to_state=EffectState.EXECUTING.value,
-        detail={"fence": fence, "owner": owner, "attempt": 1},
-    )
-    return Claim(
-        kind=known.kind,
-        key=known.key,
-        tx_id=known.tx_id,
-        name=known.name,
-        provider=known.provider,
-        action=known.action,
-        fence=fence,
-        previous=EffectState.PENDING,
-        attempts=1,
-        lookups=known.lookups,
-        first_attempt_at=None,
-        payload=payload if set_payload else known.payload,
-        payload_sha256=payload_sha256 if set_payload else known.payload_sha256,
-        owner=owner,
-        lease_ms=lease_ms,
+        Claim(
+            kind=known.kind,
+            key=known.key,
+            tx_id=known.tx_id,
+            name=known.name,
+            provider=known.provider,
+            action=known.action,
+            fence=known.fence + 1,
+            previous=EffectState.PENDING,
+            attempts=1,
+            lookups=known.lookups,
+            first_attempt_at=None,
+            payload=payload if set_payload else known.payload,
+            payload_sha256=payload_sha256 if set_payload else known.payload_sha256,
+            owner=owner,
+            lease_ms=lease_ms,
+        ),
     )
 
 
