@@ -13,10 +13,15 @@ What still goes to a thread, because it can *wait*:
   ``busy_timeout``, and the loop must not stop meanwhile. It is first tried on the loop with a
   zero timeout; writers of this process already queue on the store's own lock, so it is free
   unless another process writes;
-* ``COMMIT`` under ``synchronous=FULL``/``EXTRA``: the fsync-class wait (and WAL
-  auto-checkpoints). Under ``NORMAL``/``OFF`` a WAL commit appends without an fsync and stays
-  on the loop — including, every ~1000 WAL pages, SQLite's auto-checkpoint inside that commit
-  (a few milliseconds of writes, and an fsync of the database file, on the loop).
+* ``COMMIT`` under ``synchronous=FULL``/``EXTRA`` while the loop has other callbacks ready
+  to run: the fsync-class wait (and WAL auto-checkpoints) then overlaps their work. With
+  nothing else ready — a saga run alone, a quiet moment — the commit runs on the loop: the
+  thread would hand the same wait back at about 0.2 ms of client CPU per hop, three quarters
+  of a sequential saga's overhead under FULL (``docs/benchmarks.md``). The cost of that choice
+  is that I/O arriving during the fsync waits for it. Under ``NORMAL``/``OFF`` a WAL commit
+  appends without an fsync and stays on the loop — including, every ~1000 WAL pages, SQLite's
+  auto-checkpoint inside that commit (a few milliseconds of writes, and an fsync of the
+  database file, on the loop).
 
 A reader (``BEGIN DEFERRED`` that changed nothing) stays on the loop throughout: in WAL its BEGIN
 takes no lock and its COMMIT writes nothing.
@@ -25,7 +30,7 @@ Everything between them runs inline. That is the departure from DESIGN's "aiosql
 dialect is still SQLAlchemy's ``sqlite+aiosqlite`` (its SQL, types and error classes are
 untouched); only the connection it drives is this one, plugged in through
 ``create_async_engine(async_creator=...)``. The hops per write transaction go from ≈ 15 to
-none (under FULL: one, the commit).
+none (under FULL with other work ready: one, the commit).
 
 One connection is only ever used by one coroutine at a time (SQLAlchemy's pool checks it out), so
 using the :class:`sqlite3.Connection` from the loop and from the worker thread in turn is safe
@@ -179,8 +184,13 @@ class InlineConnection:
     async def _commit_with(self, commit: Callable[..., Any], *args: Any) -> None:
         if self._reader and self._conn.total_changes == self._changes_at_begin:
             commit(*args)  # ends a read: releases the snapshot, touches no disk
+        elif self._syncs_on_commit and _others_ready():
+            await self._off_loop(commit, *args)  # the fsync-class wait, while the others run
         elif self._syncs_on_commit:
-            await self._off_loop(commit, *args)  # the fsync-class wait
+            # Nothing else is ready to run: a thread would only hand the same wait back, at
+            # ≈ 0.2 ms of client CPU per hop (three quarters of a sequential saga's overhead
+            # under FULL), so the fsync runs here.
+            commit(*args)
         else:
             commit(*args)  # WAL + synchronous=NORMAL/OFF: a commit appends to the WAL, no fsync
 
@@ -195,6 +205,13 @@ class InlineConnection:
         """Close now (SQLAlchemy's terminate path; also what :meth:`close` does)."""
         self._conn.close()
         self._thread.shutdown(wait=False)
+
+
+def _others_ready() -> bool:
+    """Whether the event loop has other callbacks ready to run now (a loop that does not say,
+    such as uvloop, is taken to have some)."""
+    ready = getattr(asyncio.get_running_loop(), "_ready", None)
+    return ready is None or len(ready) > 0
 
 
 def connector(path: str, *, busy_timeout_ms: int, synchronous: str) -> Callable[[], Any]:

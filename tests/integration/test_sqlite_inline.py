@@ -4,7 +4,8 @@ SQLite-only by nature: PostgreSQL's asyncpg driver has no thread to hop to. What
 a writer waiting on another process's lock must not stop the loop; the busy timeout must still
 bound that wait; the zero-timeout first try must not leak into later statements; and the hops
 to the driver thread per transaction are a deterministic cost (none for a read, none for a
-write under synchronous=NORMAL, one — the fsync of the commit — under FULL).
+write under synchronous=NORMAL; under FULL one — the fsync of the commit — when other work is
+ready to run on the loop meanwhile, none when nothing else is).
 """
 
 from __future__ import annotations
@@ -104,10 +105,20 @@ async def test_the_busy_timeout_still_bounds_the_wait(tmp_path: Path) -> None:
         await store.close()
 
 
-@pytest.mark.parametrize(("synchronous", "write_hops"), [("FULL", 1), ("NORMAL", 0)])
+@pytest.mark.parametrize(
+    ("synchronous", "others_ready", "write_hops"),
+    [("FULL", True, 1), ("FULL", False, 0), ("NORMAL", True, 0), ("NORMAL", False, 0)],
+    ids=["FULL-busy-loop", "FULL-idle-loop", "NORMAL-busy-loop", "NORMAL-idle-loop"],
+)
 async def test_hops_to_the_driver_thread_per_transaction(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, synchronous: str, write_hops: int
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    synchronous: str,
+    others_ready: bool,
+    write_hops: int,
 ) -> None:
+    # Under FULL the commit's fsync leaves the loop only when other work is ready to run on
+    # it meanwhile; alone, the hop would cost CPU and save nothing.
     url = f"sqlite+aiosqlite:///{tmp_path / 'agent.db'}"
     store = await Store.open(url, sqlite_synchronous=synchronous)
     hops = 0
@@ -119,6 +130,14 @@ async def test_hops_to_the_driver_thread_per_transaction(
         return await original(self, *args)  # type: ignore[arg-type]
 
     monkeypatch.setattr(sqlite_inline.InlineConnection, "_off_loop", counting)
+    loop = asyncio.get_running_loop()
+    ticking = others_ready
+
+    def other_work() -> None:  # always ready to run again while ticking: the loop is never idle
+        if ticking:
+            loop.call_soon(other_work)
+
+    other_work()
     try:
         async with store.transaction() as work:
             await work.conn.execute(text("CREATE TABLE t (x INTEGER)"))
@@ -132,6 +151,7 @@ async def test_hops_to_the_driver_thread_per_transaction(
             assert (await conn.execute(text("SELECT count(*) FROM t"))).scalar_one() == 5
         assert hops == 0
     finally:
+        ticking = False
         await store.close()
 
 
