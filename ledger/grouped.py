@@ -45,8 +45,9 @@ from ledger.errors import StoreUnavailable
 class _Member:
     args: Sequence[Any]
     #: Resolved with the member's outcome: ``True`` committed, ``False`` send alone, a
-    #: :class:`_Lead` (send this batch), or an exception (outcome unknown).
-    woken: asyncio.Future[Any] | None
+    #: :class:`_Lead` (send this batch), or an exception (outcome unknown). A member that
+    #: sends at once never waits on it.
+    woken: asyncio.Future[Any]
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,13 +82,11 @@ class GroupSender:
         shape = self._shapes.get(sql)
         if shape is None:
             shape = self._shapes[sql] = _Shape()
+        me = _Member(args, asyncio.get_running_loop().create_future())
         if not shape.busy:
             shape.busy = True
-            me = _Member(args, None)
             return await self._lead(driver, sql, shape, [me], me)
-        me = _Member(args, asyncio.get_running_loop().create_future())
         shape.waiting.append(me)
-        assert me.woken is not None
         try:
             outcome = await me.woken
         except asyncio.CancelledError:
@@ -115,42 +114,37 @@ class GroupSender:
         me: _Member,
     ) -> bool:
         # A member cancelled while it queued has left: its writes are not sent.
-        others = [m for m in batch if m is not me and m.woken is not None and not m.woken.done()]
-        batch = [me, *others]
-        settled: Any = True
+        others = [m for m in batch if m is not me and not m.woken.done()]
+        committed: bool | None = True  # None: unknown
         try:
             if others:
-                await driver.executemany(sql, [m.args for m in batch])
+                await driver.executemany(sql, [me.args, *(m.args for m in others)])
                 self._grouped(len(others))
             else:
                 await driver.execute(sql, *me.args)
         except asyncpg.PostgresError:
             if not others:
                 raise  # alone: its own error, handled by the caller as any statement's
-            settled = False  # nothing committed: each member resends alone
-            return False
+            committed = False  # nothing committed: each member resends alone
         except BaseException:
-            settled = "unknown"
+            committed = None
             raise
         finally:
             for m in others:
-                assert m.woken is not None
                 if not m.woken.done():
                     m.woken.set_result(
                         StoreUnavailable("the grouped commit's connection failed: outcome unknown")
-                        if settled == "unknown"
-                        else settled
+                        if committed is None
+                        else committed
                     )
             self._hand_off(shape)
-        return True
+        return bool(committed)
 
     @staticmethod
     def _hand_off(shape: _Shape) -> None:
-        waiting = [m for m in shape.waiting if m.woken is not None and not m.woken.done()]
+        waiting = [m for m in shape.waiting if not m.woken.done()]
         shape.waiting = []
         if not waiting:
             shape.busy = False
             return
-        first = waiting[0].woken
-        assert first is not None
-        first.set_result(_Lead(waiting))
+        waiting[0].woken.set_result(_Lead(waiting))

@@ -703,13 +703,8 @@ class Orchestrator:
         """One recovery pass: claim due transactions (one statement), drive each, then dispatch
         due outbox events of committed transactions."""
         report = RecoveryReport(passes=1)
-        s = self.settings
         try:
-            async with self.store.transaction() as work:
-                claimed = await transactions.claim_due(
-                    work, owner=s.worker_id, lease_ms=s.lease_ms, limit=limit
-                )
-                runs = await self.load_claimed(work.conn, claimed)
+            runs = await self.claim_due(limit=limit)
             async with self.store.read() as conn:
                 due_events = await effects.due(
                     conn, EffectKind.OUTBOX, self.store.db_now(), limit=limit
@@ -718,9 +713,8 @@ class Orchestrator:
             report.errors += 1
             log.warning("recovery claim failed", error=type(exc).__name__)
             return report
-        for c in claimed:
-            run = runs[c.txc.tx_id]
-            await self._guarded(report, self.drive_claimed(c, run=run), c.txc.tx_id)
+        for run in runs:
+            await self._guarded(report, self.drive_claimed(run), run.tx_id)
         for tx_id in dict.fromkeys(e.tx_id for e in due_events):
             await self._guarded(report, self.dispatch_outbox(tx_id), tx_id, outbox=True)
         return report
@@ -744,54 +738,29 @@ class Orchestrator:
                 report.transactions += 1
             report.tx_ids.append(tx_id)
 
-    async def load_claimed(
-        self, conn: Any, claimed: Sequence[transactions.ClaimedTx]
-    ) -> dict[str, SagaRun]:
-        """The runs of transactions just claimed, by id: four statements for the whole batch
-        (the transactions, then each effect table), run in the claim's own local transaction.
+    async def claim_due(self, *, limit: int) -> list[SagaRun]:
+        """Claim up to ``limit`` due transactions and load their runs, in one local transaction:
+        the claim, then four statements for the whole batch (the transactions and each effect
+        table), so each drive's first local transaction only writes.
 
         A run loaded here is as good as one loaded when its drive starts: the holder of the
         transaction lease is the only writer of its rows, and every write the drive makes is
         fenced or pinned (a row that moved under it raises :class:`LeaseLost`)."""
-        ids = [c.txc.tx_id for c in claimed]
-        if not ids:
-            return {}
-        records = await transactions.get_many(conn, ids)
-        ops = await effects.for_txs(conn, EffectKind.OPERATION, ids)
-        reversals = await effects.for_txs(conn, EffectKind.COMPENSATION, ids)
-        outbox = await effects.for_txs(conn, EffectKind.OUTBOX, ids)
-        runs: dict[str, SagaRun] = {}
-        for c in claimed:
-            tx = records[c.txc.tx_id]
-            runs[tx.tx_id] = SagaRun(
-                self._services,
-                await self._definition(tx.definition_digest),
-                tx.tx_id,
-                dict(tx.inputs),
-                c.txc,
-                c.chain,
-                ops[tx.tx_id],
-                reversals[tx.tx_id],
-                outbox[tx.tx_id],
-                context=tx.context,
-                execution_id=tx.execution_id,
+        s = self.settings
+        async with self.store.transaction() as work:
+            claimed = await transactions.claim_due(
+                work, owner=s.worker_id, lease_ms=s.lease_ms, limit=limit
             )
-        return runs
+            return await self._load_runs(work.conn, [(c.txc, c.chain) for c in claimed])
 
     async def drive_claimed(
-        self,
-        claimed: transactions.ClaimedTx,
-        *,
-        should_stop: Callable[[], bool] | None = None,
-        run: SagaRun | None = None,
+        self, run: SagaRun, *, should_stop: Callable[[], bool] | None = None
     ) -> TxState:
-        """Drive a transaction this engine holds the lease of, until it is terminal, parked or
-        waiting; ``should_stop`` ends the drive after the current write (lease released).
-        ``run``: its run as :meth:`load_claimed` loaded it with the claim (else loaded here)."""
+        """Drive a transaction this engine holds the lease of (its run from :meth:`claim_due`),
+        until it is terminal, parked or waiting; ``should_stop`` ends the drive after the
+        current write (lease released)."""
+        run.should_stop = should_stop
         async with self.store.transaction() as work:
-            if run is None:
-                run = await self._load_run(work.conn, claimed.chain, claimed.txc)
-            run.should_stop = should_stop
             claim = await run._advance(work, eager=False)
         run._after_commit_milestones()
         await run.drive(claim)
@@ -813,22 +782,39 @@ class Orchestrator:
         return True
 
     async def _load_run(self, conn: Any, chain: Chain, txc: transactions.TxClaim) -> SagaRun:
-        tx = await transactions.get(conn, txc.tx_id)
-        assert tx is not None
-        definition = await self._definition(tx.definition_digest)
-        return SagaRun(
-            self._services,
-            definition,
-            tx.tx_id,
-            dict(tx.inputs),
-            txc,
-            chain,
-            await effects.for_tx(conn, EffectKind.OPERATION, tx.tx_id),
-            await effects.for_tx(conn, EffectKind.COMPENSATION, tx.tx_id),
-            await effects.for_tx(conn, EffectKind.OUTBOX, tx.tx_id),
-            context=tx.context,
-            execution_id=tx.execution_id,
-        )
+        return (await self._load_runs(conn, [(txc, chain)]))[0]
+
+    async def _load_runs(
+        self, conn: Any, held: Sequence[tuple[transactions.TxClaim, Chain]]
+    ) -> list[SagaRun]:
+        """The runs of transactions this engine holds, in the order given: four statements
+        however many there are."""
+        ids = [txc.tx_id for txc, _ in held]
+        if not ids:
+            return []
+        records = await transactions.get_many(conn, ids)
+        ops = await effects.for_txs(conn, EffectKind.OPERATION, ids)
+        reversals = await effects.for_txs(conn, EffectKind.COMPENSATION, ids)
+        outbox = await effects.for_txs(conn, EffectKind.OUTBOX, ids)
+        runs = []
+        for txc, chain in held:
+            tx = records[txc.tx_id]
+            runs.append(
+                SagaRun(
+                    self._services,
+                    await self._definition(tx.definition_digest),
+                    tx.tx_id,
+                    dict(tx.inputs),
+                    txc,
+                    chain,
+                    ops[tx.tx_id],
+                    reversals[tx.tx_id],
+                    outbox[tx.tx_id],
+                    context=tx.context,
+                    execution_id=tx.execution_id,
+                )
+            )
+        return runs
 
     async def drain(self, *, timeout_seconds: float = 30.0, limit: int = 16) -> RecoveryReport:
         """Recover until nothing is in flight or ``timeout_seconds`` pass, waiting out backoffs."""

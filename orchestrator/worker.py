@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from ledger import effects, transactions
+from ledger import effects
 from ledger.effects import EffectKind
 from ledger.errors import LeaseLost, StorageError
 from orchestrator.callback_delivery import deliver_due
@@ -104,8 +104,8 @@ class Worker:
             self.stats.errors += 1
             log.warning("claim pass failed", error=type(exc).__name__)
             return 0
-        for txc, run in claimed:
-            self._spawn(self._drive(txc, run))
+        for run in claimed:
+            self._spawn(self._drive(run))
         for tx_id in due_events:
             self._spawn(self._dispatch(tx_id))
         return len(claimed) + len(due_events) + await self._deliver_callbacks()
@@ -143,35 +143,27 @@ class Worker:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._stopping.wait(), delay)
 
-    async def _claim(self, limit: int) -> list[tuple[transactions.ClaimedTx, SagaRun]]:
-        s = self.orch.settings
+    async def _claim(self, limit: int) -> list[SagaRun]:
         with self.orch.metrics.claim_latency.time():
-            async with self.orch.store.transaction() as work:
-                claimed = await transactions.claim_due(
-                    work, owner=s.worker_id, lease_ms=s.lease_ms, limit=limit
-                )
-                # Loaded with the claim: each drive's first transaction is then its writes.
-                runs = await self.orch.load_claimed(work.conn, claimed)
-        self.stats.claimed += len(claimed)
-        return [(c, runs[c.txc.tx_id]) for c in claimed]
+            runs = await self.orch.claim_due(limit=limit)
+        self.stats.claimed += len(runs)
+        return runs
 
     async def _due_events(self, limit: int) -> list[str]:
         async with self.orch.store.read() as conn:
             rows = await effects.due(conn, EffectKind.OUTBOX, self.orch.store.db_now(), limit=limit)
         return list(dict.fromkeys(r.tx_id for r in rows))
 
-    async def _drive(self, claimed: transactions.ClaimedTx, run: SagaRun) -> None:
+    async def _drive(self, run: SagaRun) -> None:
         try:
-            status = await self.orch.drive_claimed(
-                claimed, should_stop=lambda: self.stopping, run=run
-            )
+            status = await self.orch.drive_claimed(run, should_stop=lambda: self.stopping)
         except LeaseLost:
             self.stats.lease_lost += 1
             self.orch.metrics.lease_losses.inc()
             return
         except StorageError as exc:
             self.stats.errors += 1
-            log.warning("drive failed", tx_id=claimed.txc.tx_id, error=type(exc).__name__)
+            log.warning("drive failed", tx_id=run.tx_id, error=type(exc).__name__)
             return
         self.stats.finished += 1
         self.stats.by_status[status.value] = self.stats.by_status.get(status.value, 0) + 1
