@@ -65,6 +65,7 @@ from ledger.transactions import count_by_status
 from orchestrator.config import EngineSettings
 from orchestrator.engine import Orchestrator
 from orchestrator.worker import Worker
+from orchestrator.workerproc import sized_for
 from providers.contract import Provider
 
 #: How often the bench asks the store whether the workers are done (at least; 1 % of the time
@@ -130,7 +131,9 @@ async def _worker_main(args: argparse.Namespace) -> WorkerCounts | None:
         settings = EngineSettings(
             worker_id=args.worker_id, sqlite_synchronous=args.sqlite_synchronous
         )
-        orch = await Orchestrator.open(args.db, providers=wrapped, settings=settings)
+        orch = await Orchestrator.open(
+            args.db, providers=wrapped, settings=sized_for(settings, args.concurrency)
+        )
         stack.push_async_callback(orch.close)
         saga = order_saga()
         await orch.register(saga)

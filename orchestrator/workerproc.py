@@ -46,6 +46,20 @@ async def load_providers(app_ref: str) -> tuple[list[Provider], Any]:
     raise DefinitionInvalid(details={"reason": f"{app_ref} gives no providers"})
 
 
+#: Connections a worker needs beyond one per saga in hand: its claim pass and its callbacks.
+WORKER_OWN_CONNECTIONS = 2
+
+
+def sized_for(settings: EngineSettings, concurrency: int) -> EngineSettings:
+    """``settings`` with a PostgreSQL pool large enough for ``concurrency`` sagas in hand: each
+    holds a connection during its local transactions, and a transaction above the pool would
+    open (and close) a connection of its own every time (README: pg_pool_size)."""
+    needed = concurrency + WORKER_OWN_CONNECTIONS
+    if settings.pg_pool_size >= needed:
+        return settings
+    return settings.model_copy(update={"pg_pool_size": needed})
+
+
 async def run_worker_process(
     url: str,
     *,
@@ -73,7 +87,9 @@ async def run_worker_process(
             closers.append(closer)
     # Every log line of this process names its worker, next to the tx_id / op_key the engine binds.
     structlog.contextvars.bind_contextvars(worker=settings.worker_id)
-    orch = await Orchestrator.open(url, providers=providers, settings=settings)
+    orch = await Orchestrator.open(
+        url, providers=providers, settings=sized_for(settings, concurrency)
+    )
     if metrics_port is not None:
         orch.metrics.serve(metrics_port)
     worker = Worker(orch, concurrency=concurrency, poll_seconds=poll_seconds)

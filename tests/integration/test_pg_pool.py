@@ -88,3 +88,17 @@ async def test_the_engine_setting_sizes_the_stores_pool(db_urls: DbUrls) -> None
         assert orch.store.engine.sync_engine.pool.size() == 7  # type: ignore[attr-defined]
     finally:
         await orch.close()
+
+
+async def test_a_worker_sizes_the_pool_for_the_sagas_it_holds(db_urls: DbUrls) -> None:
+    from orchestrator.engine import Orchestrator
+    from orchestrator.workerproc import WORKER_OWN_CONNECTIONS, sized_for
+
+    assert sized_for(EngineSettings(pg_pool_size=100), 8).pg_pool_size == 100  # larger: kept
+    settings = sized_for(EngineSettings(), 50)
+    orch = await Orchestrator.open(db_urls.store, settings=settings)
+    try:
+        pool = orch.store.engine.sync_engine.pool
+        assert pool.size() == 50 + WORKER_OWN_CONNECTIONS  # type: ignore[attr-defined]
+    finally:
+        await orch.close()
