@@ -8,6 +8,8 @@ import uuid
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ledger import dialects
+
 
 def default_worker_id() -> str:
     """host:pid:random — unique per process, readable in the ledger."""
@@ -45,7 +47,7 @@ class EngineSettings(BaseModel):
     #: transactions this process runs at once (sagas in flight): a burst connection is closed
     #: when it is checked in, so running above the pool opens and closes a connection (and
     #: re-prepares its statements) every transaction.
-    pg_pool_size: int = Field(default=20, ge=1, le=1000)
+    pg_pool_size: int = Field(default=dialects.PG_POOL_SIZE, ge=1, le=1000)
 
     @property
     def lease_ms(self) -> int:

@@ -14,7 +14,6 @@ import asyncio
 import pytest
 from sqlalchemy import event, text
 
-from ledger import dialects
 from ledger.store import Store
 from orchestrator.config import EngineSettings
 from tests.conftest import DbUrls
@@ -77,7 +76,6 @@ async def test_above_the_pool_every_round_reopens_its_burst_connections(db_urls:
     finally:
         await store.close()
     assert later == [IN_FLIGHT - 10] * 2
-    assert EngineSettings().pg_pool_size == dialects.PG_POOL_SIZE
 
 
 async def test_the_engine_setting_sizes_the_stores_pool(db_urls: DbUrls) -> None:
