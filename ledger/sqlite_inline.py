@@ -184,7 +184,7 @@ class InlineConnection:
     async def _commit_with(self, commit: Callable[..., Any], *args: Any) -> None:
         if self._reader and self._conn.total_changes == self._changes_at_begin:
             commit(*args)  # ends a read: releases the snapshot, touches no disk
-        elif self._syncs_on_commit and _others_ready():
+        elif self._syncs_on_commit and others_ready():
             await self._off_loop(commit, *args)  # the fsync-class wait, while the others run
         elif self._syncs_on_commit:
             # Nothing else is ready to run: a thread would only hand the same wait back, at
@@ -207,7 +207,7 @@ class InlineConnection:
         self._thread.shutdown(wait=False)
 
 
-def _others_ready() -> bool:
+def others_ready() -> bool:
     """Whether the event loop has other callbacks ready to run now (a loop that does not say,
     such as uvloop, is taken to have some)."""
     ready = getattr(asyncio.get_running_loop(), "_ready", None)

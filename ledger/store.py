@@ -34,6 +34,7 @@ from ledger.canonical import canonical_json, sha256_hex
 from ledger.errors import DuplicateKey, LeaseLost, StoreUnavailable
 from ledger.hot import Compiled, HotPath
 from ledger.schema import ledger as ledger_table
+from ledger.sqlite_inline import others_ready
 
 GENESIS_HASH = "0" * 64
 #: Where a PostgreSQL transaction's Work is found from its connection (``Connection.info``).
@@ -309,6 +310,8 @@ class Store:
         # SQLite has one writer: queueing our own writers here is cheaper than letting them spin
         # in the driver's busy handler. Other processes still meet busy_timeout.
         self._write_lock = asyncio.Lock() if self.dialect == "sqlite" else None
+        #: Writers waiting for ``_write_lock``: they would join the next commit group.
+        self._queued_writers = 0
         self._statements: dict[tuple[Hashable, int], Executable] = {}
         self._group: CommitGroup | None = None
         # SQLite: the writer connection, kept between commit groups. Checking a connection out
@@ -458,9 +461,16 @@ class Store:
         only its own rows. Each writer then *waits for the physical commit* before its block
         exits — the rule that nothing is acted on before it is durable is unchanged; only the
         fsync-class wait is shared. A sequential caller pays no savepoint: the first writer of
-        a group is alone in it until it has finished."""
+        a group is alone in it until it has finished. When that writer finishes with no other
+        writer waiting for the lock and nothing else ready to run on the loop, nobody could
+        join within the loop turn, so it commits at once instead of scheduling the commit."""
         assert self._write_lock is not None
-        async with self._write_lock:
+        self._queued_writers += 1
+        try:
+            await self._write_lock.acquire()
+        finally:
+            self._queued_writers -= 1
+        try:
             group = self._group
             if group is None:
                 conn, self._writer = self._writer, None
@@ -481,6 +491,13 @@ class Store:
                     await _quietly(outer.rollback())
                     await _quietly(conn.close())
                     raise
+                if not self._queued_writers and not others_ready():
+                    # Nobody is waiting for the lock and nothing else can run before the
+                    # commit, so nobody could join a group within a loop turn: commit now, with
+                    # no committer task, no future and no second turn of the lock.
+                    await self._commit_alone(conn, outer)
+                    work._advance_chains()
+                    return
                 self._group = group
                 group.members = 1
                 group.committer = asyncio.ensure_future(self._commit_group(group))
@@ -504,8 +521,20 @@ class Store:
                         group.poisoned = True  # the outer transaction is gone with it
                     raise
                 group.members += 1
+        finally:
+            self._write_lock.release()
         await asyncio.shield(group.done)
         work._advance_chains()
+
+    async def _commit_alone(self, conn: AsyncConnection, outer: AsyncTransaction) -> None:
+        """Commit a writer's physical transaction that no other writer joined (lock held)."""
+        try:
+            await outer.commit()
+        except BaseException:
+            await _quietly(outer.rollback())
+            await _quietly(conn.close())  # a failed commit: start afresh next time
+            raise
+        await self._keep_writer(conn)
 
     async def _commit_group(self, group: CommitGroup) -> None:
         # One loop turn: every task that is ready now may still join with its transition.

@@ -111,6 +111,81 @@ async def test_a_sequential_writer_pays_no_savepoint(stores: tuple[Store, Store]
     assert store.stats.commits - before.commits == 5
 
 
+async def test_a_lone_sqlite_writer_commits_at_once_without_a_committer_task(
+    stores: tuple[Store, Store], backend: str
+) -> None:
+    if backend != "sqlite":
+        pytest.skip("PostgreSQL commits each transaction itself: there is no group to schedule")
+    store, observer = stores
+    loop = asyncio.get_running_loop()
+    created: list[object] = []
+
+    def counting_factory(loop_: asyncio.AbstractEventLoop, coro: object, **kw: object) -> object:
+        created.append(coro)
+        return asyncio.Task(coro, loop=loop_, **kw)  # type: ignore[arg-type]
+
+    loop.set_task_factory(counting_factory)  # type: ignore[arg-type]
+    try:
+        for n in range(5):
+            async with store.transaction() as work:
+                await work.conn.execute(text("INSERT INTO gc VALUES (:w, 0)"), {"w": n})
+            # Durable on exit, as always.
+            assert await _rows(observer, n) == 1
+    finally:
+        loop.set_task_factory(None)
+    # Nobody waited for the lock and nothing else was ready: no group was scheduled (the
+    # observer's reads create tasks of their own, closing their connections).
+    assert [c for c in created if getattr(c, "__qualname__", "") == "Store._commit_group"] == []
+
+
+async def test_a_writer_ready_to_run_when_the_first_ends_joins_its_commit(
+    stores: tuple[Store, Store], backend: str
+) -> None:
+    if backend != "sqlite":
+        pytest.skip("PostgreSQL commits each transaction itself: there is no group to join")
+    store, observer = stores
+
+    async def writer(n: int) -> None:
+        async with store.transaction() as work:
+            await work.conn.execute(text("INSERT INTO gc VALUES (:w, 0)"), {"w": n})
+
+    before = store.stats.snapshot()
+    async with store.transaction() as work:
+        await work.conn.execute(text("INSERT INTO gc VALUES (0, 0)"))
+        # Ready to run, not yet waiting for the lock, when this block ends.
+        second = asyncio.ensure_future(writer(1))
+    await second
+    assert store.stats.commits - before.commits == 1
+    assert await _rows(observer) == 2
+
+
+async def test_a_writer_waiting_for_the_lock_when_the_first_ends_joins_its_commit(
+    stores: tuple[Store, Store], backend: str
+) -> None:
+    if backend != "sqlite":
+        pytest.skip("PostgreSQL commits each transaction itself: there is no group to join")
+    store, observer = stores
+    first_inside = asyncio.Event()
+    second_queued = asyncio.Event()
+
+    async def first() -> None:
+        async with store.transaction() as work:
+            await work.conn.execute(text("INSERT INTO gc VALUES (0, 0)"))
+            first_inside.set()
+            await second_queued.wait()  # the second writer now waits for the lock
+
+    async def second() -> None:
+        await first_inside.wait()
+        second_queued.set()
+        async with store.transaction() as work:
+            await work.conn.execute(text("INSERT INTO gc VALUES (1, 0)"))
+
+    before = store.stats.snapshot()
+    await asyncio.gather(first(), second())
+    assert store.stats.commits - before.commits == 1
+    assert await _rows(observer) == 2
+
+
 async def test_abandon_rolls_back_a_group_still_waiting_for_its_commit(
     stores: tuple[Store, Store], backend: str
 ) -> None:
