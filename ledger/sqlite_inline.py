@@ -93,12 +93,15 @@ class InlineCursor:
         if head.startswith("BEGIN"):
             connection._begun(head)
             if connection._reader:
+                connection._wait_for_locks()
                 self._cursor.execute(sql, args)  # DEFERRED takes no lock: nothing to wait for
             else:
                 await connection._begin_write(self._cursor, sql, args)
         elif head.startswith(("COMMIT", "END")):
             await connection._commit_with(self._cursor.execute, sql, args)
         else:
+            if not connection._holds_write_lock():
+                connection._wait_for_locks()
             self._cursor.execute(sql, args)
         return self
 
@@ -132,6 +135,9 @@ class InlineConnection:
         # its COMMIT writes nothing, so neither leaves the loop.
         self._reader = False
         self._changes_at_begin = 0
+        # Whether SQLite's busy timeout is the configured one (set at connect) or zero (set for
+        # a write transaction's BEGIN and kept while this connection only writes).
+        self._waits_for_locks = True
         # One thread per connection: the waits of one connection never queue behind another's.
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="agent-txn-sqlite")
 
@@ -165,20 +171,35 @@ class InlineConnection:
             return
         await self._commit_with(self._conn.commit)
 
+    def _holds_write_lock(self) -> bool:
+        return self._conn.in_transaction and not self._reader
+
+    def _wait_for_locks(self) -> None:
+        """Give the connection its busy timeout back before a statement that may have to wait
+        for a lock (a read, or anything outside a write transaction)."""
+        if not self._waits_for_locks:
+            self._conn.execute(f"PRAGMA busy_timeout={self._busy_timeout_ms}")
+            self._waits_for_locks = True
+
     async def _begin_write(self, cursor: sqlite3.Cursor, sql: str, args: Sequence[Any]) -> None:
         """``BEGIN IMMEDIATE`` on the loop when the write lock is free — the usual case, since
         this process's writers already queue on the store's lock — else wait for it off the
-        loop, with the connection's busy timeout."""
-        conn = self._conn
-        conn.execute("PRAGMA busy_timeout=0")
+        loop, with the connection's busy timeout.
+
+        The zero timeout stays set after a BEGIN that got the lock: inside a write transaction
+        nothing waits (in WAL a commit never waits for readers, and the auto-checkpoint is
+        passive), so a connection that only writes — the store's writer — sets it once, not
+        twice per transaction; :meth:`_wait_for_locks` restores it before anything else."""
+        if self._waits_for_locks:
+            self._conn.execute("PRAGMA busy_timeout=0")
+            self._waits_for_locks = False
         try:
             cursor.execute(sql, args)
             return
         except sqlite3.OperationalError as exc:
             if getattr(exc, "sqlite_errorcode", 0) & 0xFF != SQLITE_BUSY:
                 raise
-        finally:
-            conn.execute(f"PRAGMA busy_timeout={self._busy_timeout_ms}")
+        self._wait_for_locks()
         await self._off_loop(cursor.execute, sql, args)
 
     async def _commit_with(self, commit: Callable[..., Any], *args: Any) -> None:

@@ -2,7 +2,8 @@
 
 SQLite-only by nature: PostgreSQL's asyncpg driver has no thread to hop to. What could break:
 a writer waiting on another process's lock must not stop the loop; the busy timeout must still
-bound that wait; the zero-timeout first try must not leak into later statements; and the hops
+bound that wait; the zero timeout of a write transaction's BEGIN must not leak into reads or
+anything outside a write transaction (and is set once for a run of writes); and the hops
 to the driver thread per transaction are a deterministic cost (none for a read, none for a
 write under synchronous=NORMAL; under FULL one — the fsync of the commit — when other work is
 ready to run on the loop meanwhile, none when nothing else is).
@@ -103,6 +104,32 @@ async def test_the_busy_timeout_still_bounds_the_wait(tmp_path: Path) -> None:
             assert (await conn.execute(text("PRAGMA busy_timeout"))).scalar_one() == 200
     finally:
         await store.close()
+
+
+@pytest.mark.parametrize("then", ["BEGIN DEFERRED", "SELECT 1"])
+async def test_a_writing_connection_sets_the_zero_timeout_once_and_gives_it_back(
+    tmp_path: Path, then: str
+) -> None:
+    conn = await sqlite_inline.connector(
+        str(tmp_path / "agent.db"), busy_timeout_ms=200, synchronous="NORMAL"
+    )()
+    traced: list[str] = []
+    conn._conn.set_trace_callback(traced.append)
+    try:
+        for n in range(3):
+            await conn.execute("BEGIN IMMEDIATE")
+            await conn.execute("CREATE TABLE IF NOT EXISTS t (x INTEGER)")
+            await conn.execute("INSERT INTO t VALUES (?)", (n,))
+            await conn.execute("COMMIT")
+        # Three write transactions, one pragma: nothing inside them waits for a lock.
+        assert [t for t in traced if t.startswith("PRAGMA")] == ["PRAGMA busy_timeout=0"]
+        # Anything else on the connection waits for locks again, as configured.
+        await conn.execute(then)
+        assert [t for t in traced if t.startswith("PRAGMA")][-1] == "PRAGMA busy_timeout=200"
+        cursor = await conn.execute("PRAGMA busy_timeout")
+        assert await cursor.fetchone() == (200,)
+    finally:
+        await conn.close()
 
 
 @pytest.mark.parametrize(
