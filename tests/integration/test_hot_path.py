@@ -15,11 +15,24 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from sqlalchemy import Column, Integer, MetaData, String, Table, event, insert, select, text, update
+from sqlalchemy import (
+    JSON,
+    Column,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    bindparam,
+    event,
+    insert,
+    select,
+    text,
+    update,
+)
 
 from ledger import events, transactions
 from ledger.errors import DuplicateKey, LeaseLost, StoreUnavailable
-from ledger.hot import _compile
+from ledger.hot import Compiled, _compile
 from ledger.schema import ledger as ledger_table
 from ledger.states import TxState
 from ledger.store import Chain, Store
@@ -160,3 +173,71 @@ def test_only_statements_sqlalchemy_does_nothing_with_are_eligible(store: Store)
     returning = insert(_defaulted).returning(_defaulted.c.id)
     assert _compile(returning, dialect, ("id", "v", "w")) is None
     assert _compile(select(_defaulted.c.id), dialect, ()) is None
+
+
+_mixed = Table(
+    "mixed",
+    _meta,
+    Column("id", Integer, primary_key=True, autoincrement=False),
+    Column("doc", JSON),
+    Column("state", String(16)),
+    Column("odd name%", String(8)),  # a bind name SQLAlchemy has to escape
+)
+
+
+def _as_sqlalchemy_builds_them(compiled: Compiled, params: dict[str, Any]) -> tuple[Any, ...]:
+    values = compiled.compiled.construct_params(params, _check=False)
+    return tuple(
+        values[name] if proc is None else proc(values[name])
+        for name, proc in zip(compiled.names, compiled.processors, strict=True)
+    )
+
+
+def test_arguments_are_what_sqlalchemy_would_bind(store: Store) -> None:
+    dialect = store.engine.sync_engine.dialect
+    stmt = (
+        update(_mixed)
+        .where(_mixed.c.id == bindparam("id_"))
+        .values(doc=bindparam("doc"), state="executing", **{"odd name%": bindparam("odd")})
+    )
+    compiled = _compile(stmt, dialect, ("id_", "doc", "odd"))
+    assert compiled is not None and compiled.slots is not None
+    params = {"id_": 3, "doc": {"k": [1, "é", None]}, "odd": "x"}
+    assert compiled.arguments(params) == _as_sqlalchemy_builds_them(compiled, params)
+    rows = insert(_mixed)
+    compiled = _compile(rows, dialect, ("id", "doc", "state"))
+    assert compiled is not None and compiled.slots is not None
+    params = {"id": 1, "doc": None, "state": "pending"}
+    assert compiled.arguments(params) == _as_sqlalchemy_builds_them(compiled, params)
+    # A value computed per execution is left to SQLAlchemy, every time.
+    ticks = iter(range(100))
+    per_call = (
+        update(_mixed)
+        .where(_mixed.c.id == bindparam("id_"))
+        .values(state=bindparam("s", callable_=lambda: f"t{next(ticks)}"))
+    )
+    compiled = _compile(per_call, dialect, ("id_",))
+    assert compiled is not None and compiled.slots is None
+    assert compiled.arguments({"id_": 1}) != compiled.arguments({"id_": 1})
+
+
+async def test_every_hot_statement_of_a_transaction_binds_what_sqlalchemy_would(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fast = Compiled.arguments
+    checked: list[str] = []
+
+    def both(self: Compiled, params: Any) -> tuple[Any, ...]:
+        args = fast(self, params)
+        assert args == _as_sqlalchemy_builds_them(self, dict(params)), self.sql
+        checked.append(self.sql)
+        return args
+
+    monkeypatch.setattr(Compiled, "arguments", both)
+    txc = await _insert_tx(store, "tx-args", {"amount": 5, "note": "ü"})
+    async with store.transaction() as work:
+        chain = await events.chain_of(work.conn, "tx-args")
+        await transactions.transition(
+            work, chain, txc, TxState.FAILED, action="fail", error={"code": "x"}
+        )
+    assert len(set(checked)) >= 3  # the insert, its ledger rows, the transition
