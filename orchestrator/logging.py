@@ -14,7 +14,7 @@ from typing import Any, Final, TextIO
 
 import structlog
 
-__all__ = ["LEVELS", "configure_logging", "level_number"]
+__all__ = ["LEVELS", "configure_logging", "info_enabled", "level_number"]
 
 #: Level names accepted by :func:`configure_logging` (case-insensitive).
 LEVELS: Final = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -28,6 +28,15 @@ def level_number(level: str) -> int:
     if name not in LEVELS:
         raise ValueError(f"log level must be one of {', '.join(LEVELS)}, not {level!r}")
     return int(logging.getLevelNamesMapping()[name])
+
+
+def info_enabled() -> bool:
+    """Whether structlog, as configured now, emits ``info`` events. A hot path asks before
+    binding context it would only log at that level: with ``cache_logger_on_first_use`` off,
+    every ``bind`` on a module logger builds a new logger, filtered or not."""
+    is_enabled = getattr(structlog.get_config()["wrapper_class"], "is_enabled_for", None)
+    # A wrapper class that does not say (a custom one) is taken to emit everything.
+    return True if is_enabled is None else bool(is_enabled(None, logging.INFO))
 
 
 def configure_logging(

@@ -29,6 +29,7 @@ from ledger.effects import Claim
 from ledger.errors import LeaseLost
 from ledger.states import EffectState
 from orchestrator.crashpoints import CrashPoints
+from orchestrator.logging import info_enabled
 from providers.contract import (
     ActionContract,
     Confirmed,
@@ -100,7 +101,11 @@ async def decide(
         "tx_id": claim.tx_id,
         "key": claim.key,
     }
-    bound = log.bind(tx_id=claim.tx_id, op_key=claim.key, step=claim.name, fence=claim.fence)
+    bound = (
+        log.bind(tx_id=claim.tx_id, op_key=claim.key, step=claim.name, fence=claim.fence)
+        if info_enabled()
+        else None
+    )
     if claim.attempts > budget.attempts + 1:
         # A probe that keeps dying (the holder crashed mid-call every time) must not loop.
         return Decision(
@@ -131,7 +136,8 @@ async def decide(
             except (TimeoutError, Exception) as exc:  # any failure to answer is "unavailable"
                 answer = Unavailable(type(exc).__name__)
             crashpoints.hit("effect.after_lookup", **ctx)
-            bound.info("lookup", answer=type(answer).__name__)
+            if bound is not None:
+                bound.info("lookup", answer=type(answer).__name__)
             if isinstance(answer, Found):
                 return Decision(
                     EffectState.CONFIRMED,
@@ -212,7 +218,8 @@ async def decide(
     except Exception as exc:  # lost response, reset, anything: we cannot know
         outcome = Unknown(type(exc).__name__)
     crashpoints.hit("effect.after_apply", **ctx)
-    bound.info("apply", outcome=type(outcome).__name__)
+    if bound is not None:
+        bound.info("apply", outcome=type(outcome).__name__)
     if isinstance(outcome, FencedOut):
         raise LeaseLost(f"{claim.kind.value} {claim.key} (provider)", claim.fence)
     if isinstance(outcome, Confirmed):

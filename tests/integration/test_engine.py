@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import io
+import json
 from typing import Any
 
 import pytest
+import structlog
 from sqlalchemy import func, select, text
 
 from ledger.schema import ledger as ledger_table
@@ -12,6 +15,7 @@ from ledger.schema import operations, outbox, transactions
 from ledger.states import EffectState, TxState
 from orchestrator import errors
 from orchestrator.expressions import ref
+from orchestrator.logging import configure_logging, info_enabled
 from orchestrator.saga import Saga, Step
 from tests.support.sagas import order, order_saga
 from tests.support.world import World
@@ -293,3 +297,23 @@ async def test_final_lookup_voids_a_key_the_provider_never_saw(world: World) -> 
     )
     assert isinstance(late, Rejected) and late.reason == "voided"  # the late original is refused
     assert (await world.shop.counts())["payments.charge"] == 0
+
+
+@pytest.mark.parametrize(("level", "expected"), [("INFO", ["apply"] * 3), ("WARNING", [])])
+async def test_per_effect_events_are_logged_with_their_context_only_when_info_is_on(
+    world: World, level: str, expected: list[str]
+) -> None:
+    saved = structlog.get_config()
+    out = io.StringIO()
+    configure_logging(level, stream=out)
+    try:
+        assert info_enabled() is (level == "INFO")
+        result = await world.orch.execute(order_saga(), order("log-1"))
+    finally:
+        structlog.configure(**saved)
+    assert result.status is TxState.COMMITTED
+    events = [json.loads(line) for line in out.getvalue().splitlines()]
+    applies = [e for e in events if e.get("event") == "apply"]
+    assert [e["event"] for e in applies] == expected
+    for e in applies:
+        assert e["tx_id"] == result.tx_id and e["op_key"] and e["outcome"] == "Confirmed"
