@@ -70,21 +70,6 @@ class Chain:
     head: str = GENESIS_HASH
 
 
-@dataclass(frozen=True, slots=True)
-class LedgerRow:
-    """A ledger row about to be written (the hash covers every field but ``seq``)."""
-
-    tx_id: str
-    subject: str | None
-    action: str
-    from_state: str | None
-    to_state: str | None
-    detail: str
-    created_at: int
-    prev_hash: str
-    hash: str
-
-
 def _ledger_insert(_now: ColumnElement[int]) -> Executable:
     # inline(): no implicit RETURNING of the generated ``seq`` (nothing reads it back), which
     # keeps the statement on the hot path (ledger/hot.py) on PostgreSQL too.
@@ -113,7 +98,9 @@ class Work:
     conn: AsyncConnection
     store: Store
     now_ms: int
-    _rows: list[LedgerRow] = field(default_factory=list)
+    #: Ledger rows about to be written, as the insert's parameters (the hash covers every
+    #: column but ``seq``).
+    _rows: list[dict[str, Any]] = field(default_factory=list)
     _heads: dict[str, tuple[Chain, str]] = field(default_factory=dict)
     #: PostgreSQL: blind writes held back until they are sent together (ledger/batched.py).
     _pending: list[PendingWrite] = field(default_factory=list)
@@ -215,30 +202,24 @@ class Work:
             prev, chain.tx_id, subject, action, from_state, to_state, text, self.now_ms
         )
         self._rows.append(
-            LedgerRow(
-                chain.tx_id, subject, action, from_state, to_state, text, self.now_ms, prev, digest
-            )
+            {
+                "tx_id": chain.tx_id,
+                "subject": subject,
+                "action": action,
+                "from_state": from_state,
+                "to_state": to_state,
+                "detail": text,
+                "created_at": self.now_ms,
+                "prev_hash": prev,
+                "hash": digest,
+            }
         )
         self._heads[chain.tx_id] = (chain, digest)
 
     async def flush(self) -> None:
         """Write the buffered ledger rows (and, on PostgreSQL, the held-back writes with them)
         in one statement, just before the commit."""
-        rows = [
-            {
-                "tx_id": r.tx_id,
-                "subject": r.subject,
-                "action": r.action,
-                "from_state": r.from_state,
-                "to_state": r.to_state,
-                "detail": r.detail,
-                "created_at": r.created_at,
-                "prev_hash": r.prev_hash,
-                "hash": r.hash,
-            }
-            for r in self._rows
-        ]
-        self._rows.clear()
+        rows, self._rows = self._rows, []
         insert_row = self.statement("ledger.insert", _ledger_insert)
         if rows:
             compiled = self._batchable(insert_row, tuple(rows[0]))

@@ -53,11 +53,16 @@ class Worker:
         *,
         concurrency: int = 8,
         poll_seconds: float = 0.5,
+        refill_at: int | None = None,
     ) -> None:
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
+        if refill_at is not None and not 1 <= refill_at <= concurrency:
+            raise ValueError("refill_at must be between 1 and concurrency")
         self.orch = orch
         self.concurrency = concurrency
+        #: Free slots a worker with sagas in hand waits for before it claims again.
+        self.refill_at = max(1, concurrency // 2) if refill_at is None else refill_at
         self.poll_seconds = poll_seconds
         self.stats = WorkerStats()
         self._stopping = asyncio.Event()
@@ -93,7 +98,9 @@ class Worker:
     async def run_pass(self) -> int:
         """Claim what fits in the free slots, start driving it; returns how much was started."""
         free = self.concurrency - len(self._tasks)
-        if free <= 0:
+        if free < self.refill_at and self._tasks:
+            # A claim pass costs about as much as a saga's own writes (the claim, its ledger
+            # rows, the batch's reads), whether it brings one saga or eight: claim in batches.
             await asyncio.wait(self._tasks, return_when=asyncio.FIRST_COMPLETED)
             return 1
         self.stats.passes += 1

@@ -62,6 +62,36 @@ async def test_workers_share_work_without_double_effects(world: World) -> None:
     assert (await world.shop.counts())["payments.charge"] == len(ids)
 
 
+async def test_a_worker_with_sagas_in_hand_claims_again_once_half_its_slots_are_free(
+    world: World,
+) -> None:
+    await _crash_many(world, 6, point="prepare.after_commit")
+    orch = await world.engine()
+    orch.store.advance_clock(5)
+    worker = Worker(orch, concurrency=4, poll_seconds=0.01)
+    assert worker.refill_at == 2
+    loop = asyncio.get_running_loop()
+    in_hand = [loop.create_future() for _ in range(3)]  # three sagas still being driven
+    for job in in_hand:
+        worker._spawn(job)
+
+    # One slot free: the pass waits for a saga to finish rather than claiming one.
+    waiting = asyncio.ensure_future(worker.run_pass())
+    await asyncio.sleep(0.05)
+    assert not waiting.done() and worker.stats.claimed == 0
+    in_hand[0].set_result(None)
+    assert await waiting == 1 and worker.stats.claimed == 0
+    # Two free: the next pass claims two in one statement.
+    await worker.run_pass()
+    assert worker.stats.claimed == 2 and worker.stats.passes == 1
+    for job in in_hand[1:]:
+        job.set_result(None)
+    stats = await worker.run(once=True)
+    assert stats.claimed == 6
+    with pytest.raises(ValueError):
+        Worker(orch, concurrency=4, refill_at=5)
+
+
 def _worker_cmd(world: World, *extra: str) -> list[str]:
     return [
         sys.executable,
