@@ -199,7 +199,18 @@ ledger = Table(
     # One successor per link: two writers appending to the same chain cannot fork it.
     UniqueConstraint("tx_id", "prev_hash"),
 )
-Index("ix_ledger_tx_seq", ledger.c.tx_id, ledger.c.seq)
+#: Indexes that exist on PostgreSQL only. ``ix_ledger_tx_seq``: on SQLite ``seq`` is the rowid,
+#: which every entry of the (tx_id, prev_hash) index above already carries (migration 0004 says
+#: why it was dropped there).
+POSTGRESQL_ONLY_INDEXES = frozenset({"ix_ledger_tx_seq"})
+Index("ix_ledger_tx_seq", ledger.c.tx_id, ledger.c.seq).ddl_if(dialect="postgresql")
+
+
+def exists_on(dialect: str, kind: str, name: str | None) -> bool:
+    """Whether an object of :data:`metadata` exists on that backend, for Alembic's
+    ``include_object`` (its comparison does not read ``Index.ddl_if``)."""
+    return not (kind == "index" and dialect != "postgresql" and name in POSTGRESQL_ONLY_INDEXES)
+
 
 EFFECT_TABLES = {"operation": operations, "compensation": compensation_steps, "outbox": outbox}
 

@@ -11,24 +11,31 @@ Without that attribute (the plain ``alembic`` CLI with an ini file) it connects 
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from alembic import context
 from sqlalchemy import Connection, create_engine, pool
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from ledger.schema import metadata
+from ledger.schema import exists_on, metadata
 
 config = context.config
 target_metadata = metadata
 
 
 def _run(connection: Connection) -> None:
+    dialect = connection.dialect.name
+
+    def include_object(_obj: Any, name: str | None, kind: str, *_: Any) -> bool:
+        return exists_on(dialect, kind, name)  # autogenerate: what this backend has by design
+
     context.configure(
         connection=connection,
         target_metadata=target_metadata,
-        render_as_batch=connection.dialect.name == "sqlite",
+        render_as_batch=dialect == "sqlite",
         compare_type=True,
+        include_object=include_object,
     )
     # Inside a caller's transaction this is a no-op: the caller commits (or rolls back) it all.
     with context.begin_transaction():

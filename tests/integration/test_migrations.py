@@ -166,8 +166,18 @@ async def test_upgrade_empty_database_reaches_head(make_engine: EngineFactory, f
 
 
 def _schema_diff(connection: Connection) -> list[Any]:
+    dialect = connection.dialect.name
+
+    def exists_here(_obj: Any, name: str | None, type_: str, *_: Any) -> bool:
+        return schema.exists_on(dialect, type_, name)
+
     context = MigrationContext.configure(
-        connection, opts={"compare_type": True, "compare_server_default": True}
+        connection,
+        opts={
+            "compare_type": True,
+            "compare_server_default": True,
+            "include_object": exists_here,
+        },
     )
     return list(compare_metadata(context, schema.metadata))
 
@@ -546,3 +556,36 @@ async def test_downgrade_to_base_drops_everything(engine: AsyncEngine) -> None:
     # ... and the way back up works again.
     await migrate.upgrade(engine)
     assert await migrate.current_revision(engine) == migrate.HEAD
+
+
+def _ledger_indexes(connection: Connection) -> set[str]:
+    return {str(index["name"]) for index in inspect(connection).get_indexes("ledger")}
+
+
+def _plans(connection: Connection) -> list[str]:
+    """SQLite's plans for the ledger's per-transaction reads (the chain head and the log)."""
+    queries = [
+        "SELECT hash FROM ledger WHERE tx_id = 't' ORDER BY seq DESC LIMIT 1",
+        "SELECT tx_id, hash FROM ledger WHERE seq IN "
+        "(SELECT max(seq) FROM ledger WHERE tx_id IN ('a', 'b') GROUP BY tx_id)",
+        "SELECT * FROM ledger WHERE tx_id = 't' ORDER BY seq",
+    ]
+    plans = []
+    for sql in queries:
+        rows = connection.exec_driver_sql(f"EXPLAIN QUERY PLAN {sql}").all()
+        plans.append(" | ".join(str(row[-1]) for row in rows))
+    return plans
+
+
+async def test_the_ledger_has_its_tx_seq_index_on_postgresql_only(
+    engine: AsyncEngine, backend: str
+) -> None:
+    async with engine.connect() as conn:
+        indexes = await conn.run_sync(_ledger_indexes)
+        assert ("ix_ledger_tx_seq" in indexes) is (backend == "postgres")
+        if backend == "sqlite":
+            # Without it, a transaction's rows are still found through the fork guard's
+            # (tx_id, prev_hash) index, never by scanning the ledger.
+            for plan in await conn.run_sync(_plans):
+                assert "SCAN ledger" not in plan, plan
+                assert "sqlite_autoindex_ledger_1 (tx_id=?)" in plan, plan
