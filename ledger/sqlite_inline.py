@@ -14,14 +14,14 @@ What still goes to a thread, because it can *wait*:
   zero timeout; writers of this process already queue on the store's own lock, so it is free
   unless another process writes;
 * ``COMMIT`` under ``synchronous=FULL``/``EXTRA`` while the loop has other callbacks ready
-  to run: the fsync-class wait (and WAL auto-checkpoints) then overlaps their work. With
+  to run: the fsync-class wait then overlaps their work. With
   nothing else ready — a saga run alone, a quiet moment — the commit runs on the loop: the
   thread would hand the same wait back at about 0.2 ms of client CPU per hop, three quarters
   of a sequential saga's overhead under FULL (``docs/benchmarks.md``). The cost of that choice
   is that I/O arriving during the fsync waits for it. Under ``NORMAL``/``OFF`` a WAL commit
-  appends without an fsync and stays on the loop — including, every ~1000 WAL pages, SQLite's
-  auto-checkpoint inside that commit (a few milliseconds of writes, and an fsync of the
-  database file, on the loop).
+  appends without an fsync and stays on the loop, and no commit runs a WAL checkpoint
+  (SQLite's auto-checkpoint, every ~1 000 log pages, is off): a thread of the engine's does
+  (:mod:`ledger.sqlite_checkpointer`). Under ``FULL`` the auto-checkpoint stays in the commit.
 
 A reader (``BEGIN DEFERRED`` that changed nothing) stays on the loop throughout: in WAL its BEGIN
 takes no lock and its COMMIT writes nothing.
@@ -44,6 +44,8 @@ import sqlite3
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
+
+from ledger.sqlite_checkpointer import Checkpointer
 
 T = TypeVar("T")
 
@@ -125,8 +127,20 @@ class InlineCursor:
 class InlineConnection:
     """The connection surface SQLAlchemy's aiosqlite adapter uses (see the module doc)."""
 
-    def __init__(self, conn: sqlite3.Connection, *, busy_timeout_ms: int, synchronous: str) -> None:
+    def __init__(
+        self,
+        conn: sqlite3.Connection,
+        *,
+        busy_timeout_ms: int,
+        synchronous: str,
+        checkpointer: Checkpointer | None = None,
+    ) -> None:
         self._conn = conn
+        #: Runs the WAL checkpoints this connection's commits no longer run themselves.
+        self.checkpointer = checkpointer
+        if checkpointer is not None:
+            conn.execute("PRAGMA wal_autocheckpoint=0")
+            checkpointer.attach()
         self._busy_timeout_ms = int(busy_timeout_ms)
         # In WAL mode only FULL and EXTRA fsync at every commit.
         self._syncs_on_commit = synchronous.upper() in {"FULL", "EXTRA"}
@@ -187,7 +201,7 @@ class InlineConnection:
         loop, with the connection's busy timeout.
 
         The zero timeout stays set after a BEGIN that got the lock: inside a write transaction
-        nothing waits (in WAL a commit never waits for readers, and the auto-checkpoint is
+        nothing waits (in WAL a commit never waits for readers, and an auto-checkpoint is
         passive), so a connection that only writes — the store's writer — sets it once, not
         twice per transaction; :meth:`_wait_for_locks` restores it before anything else."""
         if self._waits_for_locks:
@@ -205,7 +219,13 @@ class InlineConnection:
     async def _commit_with(self, commit: Callable[..., Any], *args: Any) -> None:
         if self._reader and self._conn.total_changes == self._changes_at_begin:
             commit(*args)  # ends a read: releases the snapshot, touches no disk
-        elif self._syncs_on_commit and others_ready():
+            return
+        await self._write_commit(commit, *args)
+        if self.checkpointer is not None:
+            self.checkpointer.note_commit()
+
+    async def _write_commit(self, commit: Callable[..., Any], *args: Any) -> None:
+        if self._syncs_on_commit and others_ready():
             await self._off_loop(commit, *args)  # the fsync-class wait, while the others run
         elif self._syncs_on_commit:
             # Nothing else is ready to run: a thread would only hand the same wait back, at
@@ -226,6 +246,9 @@ class InlineConnection:
         """Close now (SQLAlchemy's terminate path; also what :meth:`close` does)."""
         self._conn.close()
         self._thread.shutdown(wait=False)
+        checkpointer, self.checkpointer = self.checkpointer, None
+        if checkpointer is not None:
+            checkpointer.detach()
 
 
 def others_ready() -> bool:
@@ -238,12 +261,19 @@ def others_ready() -> bool:
 def connector(path: str, *, busy_timeout_ms: int, synchronous: str) -> Callable[[], Any]:
     """An ``async_creator`` for :func:`sqlalchemy.ext.asyncio.create_async_engine`. The
     engine's connect listener still sets the pragmas; ``synchronous`` here only says whether
-    a commit waits on the disk."""
+    a commit waits on the disk. Under ``NORMAL``/``OFF`` the engine's connections share one
+    checkpoint thread (:mod:`ledger.sqlite_checkpointer` says why not under ``FULL``)."""
+    checkpointer = None if synchronous.upper() in {"FULL", "EXTRA"} else Checkpointer(path)
 
     async def connect() -> InlineConnection:
         conn = sqlite3.connect(
             path, timeout=busy_timeout_ms / 1000, check_same_thread=False, isolation_level=None
         )
-        return InlineConnection(conn, busy_timeout_ms=busy_timeout_ms, synchronous=synchronous)
+        return InlineConnection(
+            conn,
+            busy_timeout_ms=busy_timeout_ms,
+            synchronous=synchronous,
+            checkpointer=checkpointer,
+        )
 
     return connect

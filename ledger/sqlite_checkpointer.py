@@ -1,0 +1,119 @@
+"""SQLite's WAL checkpoints on a thread of their own, not inside commits on the event loop.
+
+Why: in WAL mode SQLite copies the log back into the database file (a *checkpoint*) from inside
+the commit that takes the log past ``wal_autocheckpoint`` pages (1 000 by default). Our commits
+run on the event loop (:mod:`ledger.sqlite_inline`), so every few dozen sagas one commit wrote a
+thousand pages and fsynced the database file while no other saga could run: those commits were
+the bench's p99 (about 30 ms against a p50 of 5) and a good part of the SQLite commit time.
+
+Here every connection of a store's engine sets ``wal_autocheckpoint=0``, and one thread per
+engine runs ``PRAGMA wal_checkpoint(PASSIVE)`` on a connection of its own after every
+:data:`EVERY_COMMITS` writing commits (or within :data:`IDLE_SECONDS` of the last one). SQLite
+releases the GIL while it copies, so on a machine with two cores the checkpoint overlaps the
+sagas instead of stopping them. A PASSIVE checkpoint never waits for and never blocks a writer
+or a reader: it copies what no reader still needs, and the log restarts from its beginning at
+the next write once all of it was copied.
+
+Only under ``synchronous=NORMAL``/``OFF``, where a commit appends to the log without an fsync.
+Under ``FULL``/``EXTRA`` every commit already waits for the disk, and a checkpoint's writes and
+fsync running beside it queue ahead of those waits: measured, sequential sagas under ``FULL``
+ran 12 % slower with the thread (``docs/benchmarks.md``), so there SQLite's auto-checkpoint stays.
+
+The durability rules are SQLite's own and unchanged: a commit is durable when it is in the log
+(fsynced under ``FULL``); a checkpoint only moves durable pages into the database file. If the
+thread falls behind, the log grows until it catches up; if a checkpoint fails (another process
+checkpointing the same file at that moment), the next one retries. When the last connection
+closes, SQLite checkpoints and removes the log as always.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+
+import structlog
+
+log = structlog.get_logger(__name__)
+
+#: Writing commits between two checkpoints: a saga's commits append about ten pages each, so
+#: this is close to SQLite's own default of one checkpoint per 1 000 log pages.
+EVERY_COMMITS = 100
+#: A store that went quiet has its last commits checkpointed this soon.
+IDLE_SECONDS = 1.0
+
+
+class Checkpointer:
+    """The checkpoint thread of one engine's SQLite file; it runs while a connection is open."""
+
+    def __init__(
+        self, path: str, *, every_commits: int = EVERY_COMMITS, idle_seconds: float = IDLE_SECONDS
+    ) -> None:
+        self._path = path
+        self._every = every_commits
+        self._idle = idle_seconds
+        self._lock = threading.Lock()
+        self._users = 0
+        self._commits = 0
+        self._wake = threading.Event()
+        self._stop: threading.Event | None = None
+        #: The running thread, if any (tests join it).
+        self.thread: threading.Thread | None = None
+        #: Checkpoints run, and those SQLite refused (retried at the next one).
+        self.checkpoints = 0
+        self.failures = 0
+
+    def attach(self) -> None:
+        """A connection opened: make sure the thread runs."""
+        with self._lock:
+            self._users += 1
+            if self.thread is None:
+                self._stop = threading.Event()
+                self.thread = threading.Thread(
+                    target=self._run,
+                    args=(self._stop,),
+                    name="agent-txn-sqlite-checkpoint",
+                    daemon=True,
+                )
+                self.thread.start()
+
+    def detach(self) -> None:
+        """A connection closed: the last one stops the thread (it finishes what it is doing)."""
+        with self._lock:
+            self._users -= 1
+            if self._users == 0 and self._stop is not None:
+                self._stop.set()
+                self._wake.set()
+                self._stop = None
+                self.thread = None
+
+    def note_commit(self) -> None:
+        """A writing commit happened (called on the event loop: a counter and, now and then,
+        one event)."""
+        self._commits += 1
+        if self._commits >= self._every:
+            self._wake.set()
+
+    def _run(self, stop: threading.Event) -> None:
+        conn: sqlite3.Connection | None = None
+        try:
+            while True:
+                self._wake.wait(self._idle)
+                self._wake.clear()
+                if stop.is_set():
+                    return
+                if self._commits == 0:
+                    continue
+                self._commits = 0  # a commit counted meanwhile is only checkpointed later
+                try:
+                    if conn is None:
+                        conn = sqlite3.connect(
+                            self._path, isolation_level=None, check_same_thread=False
+                        )
+                    conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+                    self.checkpoints += 1
+                except sqlite3.Error as exc:
+                    self.failures += 1
+                    log.warning("sqlite checkpoint failed", error=str(exc))
+        finally:
+            if conn is not None:
+                conn.close()

@@ -1,0 +1,123 @@
+"""WAL checkpoints on the engine's own thread (ledger/sqlite_checkpointer.py).
+
+SQLite-only by nature: PostgreSQL checkpoints in its own server process. What could break: a
+commit still running SQLite's auto-checkpoint on the event loop under NORMAL (and, under FULL,
+SQLite's own checkpoints off with no thread to replace them); the thread not copying the log
+into the database file (the log would grow without bound); a quiet store never checkpointed;
+the thread outliving the store's connections; one failed checkpoint stopping the thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from sqlalchemy import text
+
+from ledger.sqlite_checkpointer import Checkpointer
+from ledger.store import Store
+
+
+@pytest.fixture
+async def store_at(tmp_path: Path) -> AsyncIterator[tuple[Store, Path]]:
+    path = tmp_path / "agent.db"
+    store = await Store.open(f"sqlite+aiosqlite:///{path}", sqlite_synchronous="NORMAL")
+    async with store.transaction() as work:
+        await work.conn.execute(text("CREATE TABLE t (n INTEGER)"))
+    try:
+        yield store, path
+    finally:
+        await store.close()
+
+
+async def _checkpointer(store: Store) -> Checkpointer:
+    async with store.transaction() as work:
+        driver = work.conn.sync_connection.connection.driver_connection  # type: ignore[union-attr]
+        assert driver.checkpointer is not None
+        assert driver._conn.execute("PRAGMA wal_autocheckpoint").fetchone() == (0,)
+        return driver.checkpointer  # type: ignore[no-any-return]
+
+
+def _rows_in_database_file(path: Path) -> int:
+    """Rows the database file itself holds, ignoring the log (what checkpoints copied)."""
+    conn = sqlite3.connect(f"file:{path}?immutable=1", uri=True)
+    try:
+        return int(conn.execute("SELECT count(*) FROM t").fetchone()[0])
+    except sqlite3.OperationalError:
+        return 0  # not even the table was copied yet
+    finally:
+        conn.close()
+
+
+async def _until(condition: object, seconds: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + seconds
+    while not condition():  # type: ignore[operator]
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.02)
+
+
+async def test_commits_leave_checkpoints_to_the_thread(store_at: tuple[Store, Path]) -> None:
+    store, path = store_at
+    checkpointer = await _checkpointer(store)  # commits never auto-checkpoint: the pragma is 0
+    for n in range(250):
+        async with store.transaction() as work:
+            await work.conn.execute(text("INSERT INTO t VALUES (:n)"), {"n": n})
+    # Every 100 writing commits the thread copies the log into the database file.
+    await _until(lambda: checkpointer.checkpoints >= 2)
+    assert _rows_in_database_file(path) >= 150
+    assert checkpointer.failures == 0
+
+
+async def test_a_quiet_store_is_checkpointed_within_the_idle_interval(
+    store_at: tuple[Store, Path],
+) -> None:
+    store, path = store_at
+    await _checkpointer(store)
+    for n in range(5):
+        async with store.transaction() as work:
+            await work.conn.execute(text("INSERT INTO t VALUES (:n)"), {"n": n})
+    await _until(lambda: _rows_in_database_file(path) == 5)
+
+
+async def test_the_thread_stops_with_the_last_connection(tmp_path: Path) -> None:
+    path = tmp_path / "agent.db"
+    store = await Store.open(f"sqlite+aiosqlite:///{path}", sqlite_synchronous="NORMAL")
+    checkpointer = await _checkpointer(store)
+    thread = checkpointer.thread
+    assert thread is not None and thread.is_alive()
+    await store.close()
+    thread.join(5)
+    assert not thread.is_alive() and checkpointer.thread is None
+    # The last connection closed: SQLite checkpointed and removed the log, as it always does.
+    assert not await asyncio.to_thread(Path(f"{path}-wal").exists)
+
+
+async def test_under_full_commits_keep_sqlites_own_checkpoints(tmp_path: Path) -> None:
+    store = await Store.open(f"sqlite+aiosqlite:///{tmp_path / 'agent.db'}")  # FULL
+    try:
+        async with store.transaction() as work:
+            driver = work.conn.sync_connection.connection.driver_connection  # type: ignore[union-attr]
+            assert driver.checkpointer is None
+            assert driver._conn.execute("PRAGMA wal_autocheckpoint").fetchone() == (1000,)
+    finally:
+        await store.close()
+
+
+async def test_a_failed_checkpoint_does_not_stop_the_thread(tmp_path: Path) -> None:
+    checkpointer = Checkpointer(str(tmp_path / "no such dir" / "agent.db"), every_commits=1)
+    checkpointer.attach()
+    try:
+        checkpointer.note_commit()
+        await _until(lambda: checkpointer.failures == 1)
+        checkpointer.note_commit()
+        await _until(lambda: checkpointer.failures == 2)
+        assert checkpointer.thread is not None and checkpointer.thread.is_alive()
+        assert checkpointer.checkpoints == 0
+    finally:
+        thread = checkpointer.thread
+        checkpointer.detach()
+        assert thread is not None
+        thread.join(5)
