@@ -15,6 +15,7 @@ from typing import Any
 from sqlalchemy import (
     BigInteger,
     ColumnElement,
+    Integer,
     and_,
     bindparam,
     func,
@@ -25,7 +26,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.engine import Row
 from sqlalchemy.ext.asyncio import AsyncConnection
-from sqlalchemy.sql.dml import Insert, Update
+from sqlalchemy.sql.dml import Insert, ReturningUpdate, Update
 
 from ledger import dialects, events
 from ledger.errors import LeaseLost
@@ -465,33 +466,44 @@ def _due_condition(now: ColumnElement[int]) -> list[ColumnElement[bool]]:
 async def claim_due(work: Work, *, owner: str, lease_ms: int, limit: int) -> list[ClaimedTx]:
     """Claim up to ``limit`` due transactions in one statement (``SKIP LOCKED`` on PostgreSQL,
     so N workers take disjoint batches instead of queueing on the same rows)."""
-    now = work.db_now
-    picked = (
-        select(transactions.c.tx_id)
-        .where(*_due_condition(now))
-        .order_by(transactions.c.next_attempt_at, transactions.c.created_at)
-        .limit(limit)
-    )
-    if work.store.dialect == "postgresql":
-        # A CTE is evaluated once: with ``IN (SELECT … LIMIT n FOR UPDATE SKIP LOCKED)`` the
-        # planner may re-run the subquery per row and claim far more than ``n``.
-        due = dialects.skip_locked(picked, work.store.dialect).cte("due")
-        target = transactions.c.tx_id == due.c.tx_id
-    else:
-        target = transactions.c.tx_id.in_(picked.scalar_subquery())
-    stmt = (
-        update(transactions)
-        .where(target, *_due_condition(now))
-        .values(
-            fence=transactions.c.fence + 1,
-            lease_owner=owner,
-            lease_until=now + literal(lease_ms),
-            attempts=transactions.c.attempts + 1,
-            updated_at=work.now_ms,
+    dialect = work.store.dialect
+
+    def build(now: ColumnElement[int]) -> ReturningUpdate[Any]:
+        picked = (
+            select(transactions.c.tx_id)
+            .where(*_due_condition(now))
+            .order_by(transactions.c.next_attempt_at, transactions.c.created_at)
+            .limit(bindparam("p_limit", type_=Integer))
         )
-        .returning(transactions.c.tx_id, transactions.c.status, transactions.c.fence)
-    )
-    rows = (await work.conn.execute(stmt)).all()
+        if dialect == "postgresql":
+            # A CTE is evaluated once: with ``IN (SELECT … LIMIT n FOR UPDATE SKIP LOCKED)``
+            # the planner may re-run the subquery per row and claim far more than ``n``.
+            due = dialects.skip_locked(picked, dialect).cte("due")
+            target = transactions.c.tx_id == due.c.tx_id
+        else:
+            target = transactions.c.tx_id.in_(picked.scalar_subquery())
+        return (
+            update(transactions)
+            .where(target, *_due_condition(now))
+            .values(
+                fence=transactions.c.fence + 1,
+                lease_owner=bindparam("p_owner"),
+                lease_until=now + bindparam("p_lease_ms", type_=BigInteger),
+                attempts=transactions.c.attempts + 1,
+                updated_at=bindparam("p_updated_at", type_=BigInteger),
+            )
+            .returning(transactions.c.tx_id, transactions.c.status, transactions.c.fence)
+        )
+
+    # Built once per store (every claim pass of a worker runs it).
+    stmt = work.statement("tx.claim_due", build)
+    params = {
+        "p_limit": limit,
+        "p_owner": owner,
+        "p_lease_ms": lease_ms,
+        "p_updated_at": work.now_ms,
+    }
+    rows = (await work.conn.execute(stmt, params)).all()
     chains = await events.chains_of(work.conn, [r.tx_id for r in rows])
     claimed: list[ClaimedTx] = []
     for row in rows:
@@ -508,14 +520,16 @@ async def claim_due(work: Work, *, owner: str, lease_ms: int, limit: int) -> lis
     return claimed
 
 
+_GET_MANY = select(transactions).where(
+    transactions.c.tx_id.in_(bindparam("p_tx_ids", expanding=True))
+)
+
+
 async def get_many(conn: AsyncConnection, tx_ids: Sequence[str]) -> dict[str, TxRecord]:
     """The transactions of ``tx_ids`` that exist, by id, in one statement."""
     if not tx_ids:
         return {}
-    stmt = select(transactions).where(
-        transactions.c.tx_id.in_(bindparam("p_tx_ids", expanding=True))
-    )
-    rows = (await conn.execute(stmt, {"p_tx_ids": list(tx_ids)})).all()
+    rows = (await conn.execute(_GET_MANY, {"p_tx_ids": list(tx_ids)})).all()
     return {row.tx_id: _record(row) for row in rows}
 
 

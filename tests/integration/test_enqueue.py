@@ -12,6 +12,7 @@ import asyncio
 import pytest
 from sqlalchemy import func, select
 
+from ledger import transactions as tx_repo
 from ledger.schema import operations, transactions
 from ledger.states import EffectState, TxState
 from orchestrator import errors
@@ -130,3 +131,28 @@ async def test_a_recovery_pass_loads_its_whole_batch_with_the_claim(world: World
     assert await _reads_of_one_recovery_pass(world, 2) == await _reads_of_one_recovery_pass(
         world, 6
     )
+
+
+async def test_each_claim_takes_its_own_limit_owner_and_lease(world: World) -> None:
+    # The claim statement is built once per store; every call binds its own values.
+    orch = world.orch
+    for n in range(5):
+        await orch.enqueue(order_saga(), order(f"lim-{n}"), tx_id=f"lim-{n}")
+    async with orch.store.transaction() as work:
+        first = await tx_repo.claim_due(work, owner="w-a", lease_ms=60_000, limit=2)
+    async with orch.store.transaction() as work:
+        second = await tx_repo.claim_due(work, owner="w-b", lease_ms=120_000, limit=3)
+    assert (len(first), len(second)) == (2, 3)
+    assert {c.txc.tx_id for c in first}.isdisjoint({c.txc.tx_id for c in second})
+    async with orch.store.read() as conn:
+        rows = (
+            await conn.execute(
+                select(transactions.c.tx_id, transactions.c.lease_owner, transactions.c.lease_until)
+            )
+        ).all()
+    owners = {r.tx_id: r.lease_owner for r in rows}
+    assert sorted(owners[c.txc.tx_id] for c in first + second) == ["w-a"] * 2 + ["w-b"] * 3
+    until = {r.tx_id: r.lease_until for r in rows}
+    a = max(until[c.txc.tx_id] for c in first)
+    b = min(until[c.txc.tx_id] for c in second)
+    assert b - a > 50_000  # the second claim's lease is its own 120 s, not the first's 60 s
