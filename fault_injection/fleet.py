@@ -16,13 +16,17 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from sqlalchemy import func, select
+
 from fault_injection.harness import Harness
 from fault_injection.sagas import order, order_saga
 from fault_injection.scenarios_concurrency import local_cluster, wait_for_postgres
 from ledger.effects import EffectKind, count_unsettled
+from ledger.schema import ledger
 from ledger.states import TX_TERMINAL, TxState
 from ledger.transactions import count_by_status
 from orchestrator.crashpoints import SimulatedCrash
+from orchestrator.engine import Orchestrator
 
 SETTLED = {s.value for s in TX_TERMINAL} | {TxState.MANUAL_REVIEW.value}
 
@@ -38,6 +42,9 @@ class FleetReport:
     killed: bool = False
     restarted: bool = False
     exit_codes: list[int | None] = field(default_factory=list)
+    #: Workers our SIGTERM reached before they were running (still importing or opening the
+    #: store: the signal's default action ended them) and that left no trace in the ledger.
+    stopped_while_starting: list[int] = field(default_factory=list)
 
     @property
     def sagas_per_s(self) -> float:
@@ -137,7 +144,17 @@ async def run_fleet(
         for p in procs:
             await asyncio.wait_for(p.wait(), 60)
         report.exit_codes = [p.returncode for p in procs]
+        for i, code in enumerate(report.exit_codes):
+            if code == -signal.SIGTERM and not await _left_a_trace(reader, f"fleet-{i}"):
+                report.stopped_while_starting.append(i)
     return report
+
+
+async def _left_a_trace(reader: Orchestrator, worker_id: str) -> bool:
+    """Whether any ledger row names ``worker_id`` as its owner (it claimed something)."""
+    async with reader.store.read() as conn:
+        stmt = select(func.count()).where(ledger.c.detail.like(f'%"owner":"{worker_id}"%'))
+        return int((await conn.execute(stmt)).scalar_one()) > 0
 
 
 async def _restart_server(harness: Harness) -> None:

@@ -49,3 +49,18 @@ async def test_fleet_survives_a_kill_and_a_server_restart(db_urls: DbUrls, tmp_p
     assert set(settled) <= {"committed", "compensated", "failed", "manual_review"}, settled
     check = await check_invariants(db_urls.store, db_urls.provider)
     assert check.ok, [v.to_json() for v in check.violations[:5]]
+
+
+@pytest.mark.parametrize("backend", ["postgres"])
+async def test_a_worker_stopped_before_it_ran_is_told_apart(db_urls: DbUrls) -> None:
+    # Nothing to recover: the fleet settles at once and stops its workers while they are still
+    # starting (importing, opening the store), before their SIGTERM handler exists.
+    harness = await Harness.open(DatabasePair(db_urls.store, db_urls.provider, db_urls.backend))
+    try:
+        report = await run_fleet(harness, sagas=0, workers=2, deadline_seconds=60)
+    finally:
+        await harness.close()
+    stopped = [i for i, code in enumerate(report.exit_codes) if code != 0]
+    # Each one either got as far as running (and stopped cleanly) or left no trace.
+    assert report.stopped_while_starting == stopped
+    assert all(report.exit_codes[i] == -15 for i in stopped)
