@@ -476,7 +476,7 @@ class Store:
                     # Nobody is waiting for the lock and nothing else can run before the
                     # commit, so nobody could join a group within a loop turn: commit now, with
                     # no committer task, no future and no second turn of the lock.
-                    await self._commit_alone(conn, outer)
+                    await self._commit_physical(conn, outer)
                     work._advance_chains()
                     return
                 self._group = group
@@ -507,9 +507,14 @@ class Store:
         await asyncio.shield(group.done)
         work._advance_chains()
 
-    async def _commit_alone(self, conn: AsyncConnection, outer: AsyncTransaction) -> None:
-        """Commit a writer's physical transaction that no other writer joined (lock held)."""
+    async def _commit_physical(
+        self, conn: AsyncConnection, outer: AsyncTransaction, *, abandon: bool = False
+    ) -> None:
+        """Commit a physical transaction (one writer's, or a group's; lock held) and keep its
+        connection as the writer; ``abandon``: roll it back and fail instead."""
         try:
+            if abandon:
+                raise StoreUnavailable("the commit group was abandoned")
             await outer.commit()
         except BaseException:
             await _quietly(outer.rollback())
@@ -525,17 +530,11 @@ class Store:
             if self._group is group:
                 self._group = None
             try:
-                if group.poisoned:
-                    await group.outer.rollback()
-                    raise StoreUnavailable("the commit group was abandoned")
-                await group.outer.commit()
+                await self._commit_physical(group.conn, group.outer, abandon=group.poisoned)
             except BaseException as exc:
-                await _quietly(group.outer.rollback())
-                await _quietly(group.conn.close())  # a failed commit: start afresh next time
                 group.done.set_exception(exc)
                 group.done.exception()  # retrieved: every member re-raises it on its own
             else:
-                await self._keep_writer(group.conn)
                 group.done.set_result(None)
 
     async def _keep_writer(self, conn: AsyncConnection) -> None:
