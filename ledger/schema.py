@@ -202,8 +202,12 @@ ledger = Table(
 #: Indexes that exist on PostgreSQL only. ``ix_ledger_tx_seq``: on SQLite ``seq`` is the rowid,
 #: which every entry of the (tx_id, prev_hash) index above already carries (migration 0004 says
 #: why it was dropped there).
-POSTGRESQL_ONLY_INDEXES = frozenset({"ix_ledger_tx_seq"})
-Index("ix_ledger_tx_seq", ledger.c.tx_id, ledger.c.seq).ddl_if(dialect="postgresql")
+POSTGRESQL_ONLY_INDEXES = frozenset(
+    str(index.name)
+    for index in (
+        Index("ix_ledger_tx_seq", ledger.c.tx_id, ledger.c.seq).ddl_if(dialect="postgresql"),
+    )
+)
 
 
 def exists_on(dialect: str, kind: str, name: str | None) -> bool:
