@@ -138,50 +138,33 @@ async def test_a_lone_sqlite_writer_commits_at_once_without_a_committer_task(
     assert [c for c in created if getattr(c, "__qualname__", "") == "Store._commit_group"] == []
 
 
-async def test_a_writer_ready_to_run_when_the_first_ends_joins_its_commit(
-    stores: tuple[Store, Store], backend: str
+@pytest.mark.parametrize("second_is", ["ready to run", "waiting for the lock"])
+async def test_a_second_writer_in_the_wings_when_the_first_ends_joins_its_commit(
+    stores: tuple[Store, Store], backend: str, second_is: str
 ) -> None:
-    if backend != "sqlite":
-        pytest.skip("PostgreSQL commits each transaction itself: there is no group to join")
-    store, observer = stores
-
-    async def writer(n: int) -> None:
-        async with store.transaction() as work:
-            await work.conn.execute(text("INSERT INTO gc VALUES (:w, 0)"), {"w": n})
-
-    before = store.stats.snapshot()
-    async with store.transaction() as work:
-        await work.conn.execute(text("INSERT INTO gc VALUES (0, 0)"))
-        # Ready to run, not yet waiting for the lock, when this block ends.
-        second = asyncio.ensure_future(writer(1))
-    await second
-    assert store.stats.commits - before.commits == 1
-    assert await _rows(observer) == 2
-
-
-async def test_a_writer_waiting_for_the_lock_when_the_first_ends_joins_its_commit(
-    stores: tuple[Store, Store], backend: str
-) -> None:
+    # The two cases the lone writer's immediate commit must tell apart from being alone:
+    # a task ready to run (not yet at the lock) and a task already queued on it.
     if backend != "sqlite":
         pytest.skip("PostgreSQL commits each transaction itself: there is no group to join")
     store, observer = stores
     first_inside = asyncio.Event()
-    second_queued = asyncio.Event()
-
-    async def first() -> None:
-        async with store.transaction() as work:
-            await work.conn.execute(text("INSERT INTO gc VALUES (0, 0)"))
-            first_inside.set()
-            await second_queued.wait()  # the second writer now waits for the lock
+    queued = asyncio.Event()
 
     async def second() -> None:
         await first_inside.wait()
-        second_queued.set()
+        queued.set()  # then straight to the lock: nothing in between yields
         async with store.transaction() as work:
             await work.conn.execute(text("INSERT INTO gc VALUES (1, 0)"))
 
     before = store.stats.snapshot()
-    await asyncio.gather(first(), second())
+    task = asyncio.ensure_future(second())
+    async with store.transaction() as work:
+        await work.conn.execute(text("INSERT INTO gc VALUES (0, 0)"))
+        first_inside.set()
+        if second_is == "waiting for the lock":
+            await queued.wait()
+        # else the second writer is ready to run, not yet at the lock, when this block ends
+    await task
     assert store.stats.commits - before.commits == 1
     assert await _rows(observer) == 2
 
