@@ -71,38 +71,90 @@ async def run_worker_process(
     app_ref: str | None = None,
     metrics_port: int | None = None,
 ) -> WorkerStats:
-    """Open the store, serve the providers, run until SIGTERM/SIGINT (or idle, with ``once``)."""
-    closers: list[Any] = []
-    providers: list[Provider] = []
-    if fake_shop is not None:
-        from providers.fake.shop import FakeShop
+    """Open the store, serve the providers, run until SIGTERM/SIGINT (or idle, with ``once``).
 
-        shop = await FakeShop.open(fake_shop)
-        providers.extend(shop.providers())
-        closers.append(shop)
-    if app_ref is not None:
-        loaded, closer = await load_providers(app_ref)
-        providers.extend(loaded)
-        if closer is not None and hasattr(closer, "close"):
-            closers.append(closer)
-    # Every log line of this process names its worker, next to the tx_id / op_key the engine binds.
-    structlog.contextvars.bind_contextvars(worker=settings.worker_id)
-    orch = await Orchestrator.open(
-        url, providers=providers, settings=sized_for(settings, concurrency)
-    )
-    if metrics_port is not None:
-        orch.metrics.serve(metrics_port)
-    worker = Worker(orch, concurrency=concurrency, poll_seconds=poll_seconds)
+    The signal handlers come first: a SIGTERM while the process is still opening its databases
+    (a rollout stopping a worker that just started) then ends it cleanly, exit 0, instead of
+    killing it with the signal's default action half-way through its opening."""
     loop = asyncio.get_running_loop()
+    stop = _StopRequest()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, worker.stop)
+        loop.add_signal_handler(sig, stop.request)
     try:
-        return await worker.run(once=once)
+        return await _serve(
+            url,
+            stop,
+            settings=settings,
+            concurrency=concurrency,
+            once=once,
+            poll_seconds=poll_seconds,
+            fake_shop=fake_shop,
+            app_ref=app_ref,
+            metrics_port=metrics_port,
+        )
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
-        await orch.close()
-        for closer in closers:
+
+
+class _StopRequest:
+    """A stop asked for by a signal, before or after the worker exists."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._worker: Worker | None = None
+
+    def request(self) -> None:
+        self.requested = True
+        if self._worker is not None:
+            self._worker.stop()
+
+    def attach(self, worker: Worker) -> None:
+        self._worker = worker
+        if self.requested:
+            worker.stop()
+
+
+async def _serve(
+    url: str,
+    stop: _StopRequest,
+    *,
+    settings: EngineSettings,
+    concurrency: int,
+    once: bool,
+    poll_seconds: float,
+    fake_shop: str | None,
+    app_ref: str | None,
+    metrics_port: int | None,
+) -> WorkerStats:
+    # Closed in reverse order of opening, whatever failed: the engine before the providers.
+    closers: list[Any] = []
+    try:
+        providers: list[Provider] = []
+        if fake_shop is not None:
+            from providers.fake.shop import FakeShop
+
+            shop = await FakeShop.open(fake_shop)
+            providers.extend(shop.providers())
+            closers.append(shop)
+        if app_ref is not None:
+            loaded, closer = await load_providers(app_ref)
+            providers.extend(loaded)
+            if closer is not None and hasattr(closer, "close"):
+                closers.append(closer)
+        # Every log line of this process names its worker, next to the engine's tx_id / op_key.
+        structlog.contextvars.bind_contextvars(worker=settings.worker_id)
+        orch = await Orchestrator.open(
+            url, providers=providers, settings=sized_for(settings, concurrency)
+        )
+        closers.append(orch)
+        if metrics_port is not None:
+            orch.metrics.serve(metrics_port)
+        worker = Worker(orch, concurrency=concurrency, poll_seconds=poll_seconds)
+        stop.attach(worker)
+        return await worker.run(once=once)
+    finally:
+        for closer in reversed(closers):
             result = closer.close()
             if inspect.isawaitable(result):
                 await result

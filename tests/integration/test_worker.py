@@ -149,6 +149,36 @@ async def test_sigterm_during_a_provider_call_hands_the_saga_over(world: World) 
     assert report.ok, report.violations
 
 
+async def test_sigterm_while_the_worker_is_opening_ends_it_cleanly(
+    world: World, tmp_path: Path
+) -> None:
+    # The signal handlers are installed before the providers and the store are opened: a stop
+    # asked for then is honoured once they are open (exit 0, nothing claimed), not the signal's
+    # default action killing the process half-way through its opening.
+    await _crash_many(world, 1, point="prepare.after_commit")
+    await asyncio.sleep(1.1)  # due: a worker that ran would claim it
+    marker = tmp_path / "opening"
+    env = {
+        "AGENT_TXN_TEST_PROVIDER_URL": world.urls.provider,
+        "OPENING_MARKER": str(marker),
+        "OPEN_SECONDS": "2",
+    }
+    proc = await _spawn(
+        _worker_cmd(world, "--app", "tests.support.slowshop:build_slowly", "--worker-id", "early"),
+        env,
+    )
+    for _ in range(600):
+        if marker.exists():
+            break
+        await asyncio.sleep(0.05)
+    assert marker.exists(), "the worker never started opening its providers"
+    proc.send_signal(signal.SIGTERM)
+    _, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 0, err.decode()[-2000:]
+    owners = [e.detail.get("owner") for e in await world.orch.ledger("w-0") if e.action == "claim"]
+    assert "early" not in owners
+
+
 async def test_several_worker_processes(world: World) -> None:
     if world.urls.backend != "postgres":
         pytest.skip("several writer processes are the PostgreSQL deployment")

@@ -15,3 +15,14 @@ async def build() -> FakeShop:
         [FaultRule(FaultKind.TIMEOUT, provider="payments", action="charge", delay_s=delay)]
     )
     return await FakeShop.open(os.environ["AGENT_TXN_TEST_PROVIDER_URL"], faults=plan)
+
+
+async def build_slowly() -> FakeShop:
+    """The shop at ``$AGENT_TXN_TEST_PROVIDER_URL``, after touching ``$OPENING_MARKER`` and
+    sleeping ``$OPEN_SECONDS``: a worker process that is still opening when the test signals."""
+    import asyncio
+    from pathlib import Path
+
+    Path(os.environ["OPENING_MARKER"]).touch()
+    await asyncio.sleep(float(os.environ.get("OPEN_SECONDS", "3")))
+    return await FakeShop.open(os.environ["AGENT_TXN_TEST_PROVIDER_URL"])
