@@ -23,6 +23,6 @@ async def build_slowly() -> FakeShop:
     import asyncio
     from pathlib import Path
 
-    Path(os.environ["OPENING_MARKER"]).touch()
+    await asyncio.to_thread(Path(os.environ["OPENING_MARKER"]).touch)
     await asyncio.sleep(float(os.environ.get("OPEN_SECONDS", "3")))
     return await FakeShop.open(os.environ["AGENT_TXN_TEST_PROVIDER_URL"])
