@@ -31,6 +31,7 @@ from ledger.store import Store
 from orchestrator.engine import Orchestrator
 from providers.fake.shop import FakeShop
 from tests.support.pg_databases import PgDatabases
+from tests.support.server_lock import ServerLock
 from tests.support.world import World, fast_settings
 
 DEFAULT_PG_URL = "postgresql+asyncpg://postgres@127.0.0.1:5432/postgres"
@@ -55,6 +56,10 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
         "empty_databases: db_urls gives empty PostgreSQL databases, not migrated template copies",
+    )
+    config.addinivalue_line(
+        "markers",
+        "restarts_postgres: restarts the test server, so it runs with no other test on it",
     )
 
 
@@ -127,6 +132,23 @@ async def create_pg_database(name: str) -> str:
 
 async def drop_pg_database(name: str) -> None:
     await _pg_execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture(autouse=True)
+def _server_lock(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Every test holds the test server shared; one marked ``restarts_postgres`` holds it alone.
+
+    The suite runs in several processes (``-n`` in pyproject), and a server restart would fail
+    whatever the others were doing on it (:mod:`tests.support.server_lock`). SQLite-only tests
+    take the lock too: cheaper than telling them apart, and they wait only while a restarting
+    test runs."""
+    lock = ServerLock(pg_admin_url())
+    if request.node.get_closest_marker("restarts_postgres") is not None:
+        with lock.exclusive():
+            yield
+    else:
+        with lock.shared():
+            yield
 
 
 @pytest.fixture(params=BACKENDS)

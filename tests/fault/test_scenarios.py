@@ -99,9 +99,11 @@ async def test_connection_loss_during_recovery(harness: Harness) -> None:
     assert "k_worker_processes_drain" in by_name  # real worker processes, not just tasks
 
 
-# Keep last: restarting the server disturbs every client of it.
+# Restarting the server disturbs every client of it: restarts_postgres runs it alone on the
+# server (tests/support/server_lock.py), and it is last among this module's scenarios.
 @pytest.mark.postgres
 @pytest.mark.slow
+@pytest.mark.restarts_postgres
 @pytest.mark.parametrize("backend", ["postgres"], indirect=True)
 async def test_server_restart_during_recovery_is_last(harness: Harness) -> None:
     cluster = await local_cluster(harness.dbs.store)

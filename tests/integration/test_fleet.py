@@ -27,6 +27,7 @@ FAULTS = ",".join(
 
 
 @pytest.mark.slow
+@pytest.mark.restarts_postgres
 async def test_fleet_survives_a_kill_and_a_server_restart(db_urls: DbUrls, tmp_path: Path) -> None:
     if db_urls.backend != "postgres":
         pytest.skip("worker fleets share one PostgreSQL; SQLite has a single writer")
