@@ -83,7 +83,7 @@ async def deliver_due(
     """
     report = DeliveryReport()
     async with store.read() as conn:
-        if not await callbacks.has_due(conn, store.db_now()):
+        if not await callbacks.has_due(store, conn):
             return report
     async with store.transaction() as work:
         runs = await callbacks.claim_due(work, owner=owner, lease_ms=lease_ms, limit=limit)
