@@ -20,8 +20,9 @@ HOLD_S = 3.0
 CTX = multiprocessing.get_context("spawn")
 
 
-def _hold(directory: str, mode: str, got: Any, leaving: Any) -> None:
+def _hold(directory: str, mode: str, arrived: Any, got: Any, leaving: Any) -> None:
     lock = ServerLock(URL, Path(directory))
+    arrived.set()
     with lock.shared() if mode == "shared" else lock.exclusive():
         got.set()
         time.sleep(HOLD_S)
@@ -31,17 +32,18 @@ def _hold(directory: str, mode: str, got: Any, leaving: Any) -> None:
 @dataclass
 class Holder:
     process: BaseProcess
+    arrived: Any
     got: Any
     leaving: Any
 
 
 def _holder(directory: Path, mode: str, *, wait: bool = True) -> Holder:
-    got, leaving = CTX.Event(), CTX.Event()
-    proc = CTX.Process(target=_hold, args=(str(directory), mode, got, leaving))
+    arrived, got, leaving = CTX.Event(), CTX.Event(), CTX.Event()
+    proc = CTX.Process(target=_hold, args=(str(directory), mode, arrived, got, leaving))
     proc.start()
     if wait:
         assert got.wait(30), f"the {mode} holder never got the lock"
-    return Holder(proc, got, leaving)
+    return Holder(proc, arrived, got, leaving)
 
 
 def test_readers_share_and_a_writer_waits_for_them(tmp_path: Path) -> None:
@@ -66,7 +68,10 @@ def test_a_queued_writer_goes_before_later_readers(tmp_path: Path) -> None:
     # for the writer too (the turnstile) instead of slipping in beside the first reader.
     first = _holder(tmp_path, "shared")
     writer = _holder(tmp_path, "exclusive", wait=False)
-    time.sleep(0.5)  # let the writer reach the turnstile (if it has not, the test proves less)
+    # Started processes take a while to import; wait until the writer is about to lock, then
+    # give it a moment to block in the turnstile.
+    assert writer.arrived.wait(30)
+    time.sleep(0.3)
     assert not writer.got.is_set()
     with ServerLock(URL, tmp_path).shared():
         assert first.leaving.is_set() and writer.leaving.is_set()
