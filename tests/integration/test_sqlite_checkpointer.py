@@ -46,8 +46,10 @@ def _rows_in_database_file(path: Path) -> int:
     conn = sqlite3.connect(f"file:{path}?immutable=1", uri=True)
     try:
         return int(conn.execute("SELECT count(*) FROM t").fetchone()[0])
-    except sqlite3.OperationalError:
-        return 0  # not even the table was copied yet
+    except sqlite3.DatabaseError:
+        # Not even the table was copied yet, or (immutable=1 takes no lock) a checkpoint was
+        # copying pages while this read them: "malformed". The caller reads again.
+        return 0
     finally:
         conn.close()
 
