@@ -209,7 +209,10 @@ async def test_late_original_after_a_timeout_is_fenced_out(http_world: HttpWorld
     # The request is held *before* the effect: the client gives up, the lookup finds nothing,
     # the resend (fence 2) charges; the original then lands with fence 1 and gets a 412.
     w = http_world
-    delay = CLIENT_TIMEOUT + 0.5
+    # The original must land after the lookup and the resend. They follow the client's timeout
+    # at once, but on a loaded machine (the suite runs in several processes) "at once" has taken
+    # over half a second, so the original is held well past that.
+    delay = CLIENT_TIMEOUT + 3.0
     w.shop.faults.add(
         FaultRule(
             FaultKind.TIMEOUT,
