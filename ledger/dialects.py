@@ -21,7 +21,7 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Connection, make_url
 from sqlalchemy.exc import DBAPIError, IntegrityError, InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
-from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.sql import Select
 from sqlalchemy.sql.dml import Insert
 from sqlalchemy.sql.elements import ColumnElement
@@ -99,6 +99,19 @@ def create_engine(
 PING_BYPASS_SECONDS = 0.5
 
 
+_LAST_USE_KEY = "agent_txn_last_use"
+
+
+def stamp_last_use(conn: AsyncConnection, used_at: float) -> None:
+    """Say when ``conn`` (about to be returned to the pool) was last used, if not just now: a
+    store that kept it checked out while idle (:meth:`ledger.store.Store._take_idle`) must not
+    have the check-in's own time stand for its last use, or the next checkout would skip the
+    ping for a connection that sat idle past :data:`PING_BYPASS_SECONDS`."""
+    if conn.closed or conn.invalidated or conn.sync_connection is None:
+        return
+    conn.sync_connection.connection.info[_LAST_USE_KEY] = used_at
+
+
 def _bare_ping(dbapi_connection: Any) -> None:
     dbapi_connection.run_async(lambda driver: driver.fetchrow(";"))
 
@@ -140,9 +153,10 @@ def _ping_in_one_round_trip(engine: AsyncEngine) -> None:
             return own_ping(dbapi_connection)
         return True
 
-    def on_checkin(dbapi_connection: Any, _record: Any) -> None:
+    def on_checkin(dbapi_connection: Any, record: Any) -> None:
         if dbapi_connection is not None:
-            returned_at[id(dbapi_connection)] = time.monotonic()
+            used_at = record.info.pop(_LAST_USE_KEY, None) if record is not None else None
+            returned_at[id(dbapi_connection)] = time.monotonic() if used_at is None else used_at
 
     def on_gone(dbapi_connection: Any, *_args: Any) -> None:
         returned_at.pop(id(dbapi_connection), None)

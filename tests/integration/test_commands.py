@@ -601,7 +601,7 @@ async def test_company_scope_is_this_tenant(world: World) -> None:
 
 async def test_storage_failures_on_reads_are_registered_errors(world: World) -> None:
     svc, alice, info = await _setup(world)
-    await world.orch.store.engine.dispose()
+    await world.orch.store.close()  # its connections closed, then a broken engine in place
     url = world.urls.store
     broken = url.replace("agent.db", "missing/dir/agent.db") if "sqlite" in url else url + "_nope"
     from sqlalchemy.ext.asyncio import create_async_engine

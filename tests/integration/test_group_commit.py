@@ -220,7 +220,7 @@ async def test_sqlite_keeps_its_writer_connection_and_replaces_it_after_a_failur
     stores: tuple[Store, Store], backend: str
 ) -> None:
     if backend != "sqlite":
-        pytest.skip("PostgreSQL checks a connection out (and pings it) per transaction")
+        pytest.skip("PostgreSQL keeps its connections for a moment only (test_pg_pool.py)")
     store, observer = stores
     pool = store.engine.sync_engine.pool
     checkouts: list[int] = []

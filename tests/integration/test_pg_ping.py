@@ -9,6 +9,7 @@ failing anything but the one transaction that met it.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import pytest
@@ -89,3 +90,19 @@ async def test_a_killed_backend(
         with pytest.raises(StoreUnavailable):
             await _backend_pid(store)
     assert await _backend_pid(store) != pid
+
+
+async def test_a_connection_the_store_kept_idle_past_the_window_is_pinged(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The store keeps the connection it committed on (Store._take_idle). Handed back to the pool
+    # after sitting idle past the window, it must be pinged at its next checkout: the check-in
+    # happens just now, so the pool would take it for fresh unless told when it was last used.
+    monkeypatch.setattr(dialects, "PING_BYPASS_SECONDS", 1.0)
+    pings = _count_pings(monkeypatch)
+    await _backend_pid(store)
+    await _backend_pid(store)  # kept: reused within the window, no checkout, no ping
+    before = pings[0]
+    await asyncio.sleep(1.2)
+    await _backend_pid(store)
+    assert pings[0] == before + 1

@@ -100,3 +100,51 @@ async def test_a_worker_sizes_the_pool_for_the_sagas_it_holds(db_urls: DbUrls) -
         assert pool.size() == 50 + WORKER_OWN_CONNECTIONS  # type: ignore[attr-defined]
     finally:
         await orch.close()
+
+
+async def test_back_to_back_transactions_keep_their_connection_out_of_the_pool(
+    db_urls: DbUrls, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Store._take_idle: a connection committed on moments ago is used again without a pool
+    # checkout (the pool's fairy, events and reset cost more than a small transaction's SQL).
+    from ledger import dialects
+
+    monkeypatch.setattr(dialects, "PING_BYPASS_SECONDS", 3600.0)  # the mechanism, not the clock
+    store = await Store.open(db_urls.store)
+    checkouts = [0]
+
+    def on_checkout(*_: object) -> None:
+        checkouts[0] += 1
+
+    event.listen(store.engine.sync_engine.pool, "checkout", on_checkout)
+    try:
+        pids = []
+        for _ in range(5):
+            async with store.transaction() as work:
+                pids.append((await work.conn.execute(text("SELECT pg_backend_pid()"))).scalar())
+        assert checkouts[0] == 1
+        assert len(set(pids)) == 1
+        monkeypatch.setattr(dialects, "PING_BYPASS_SECONDS", 0.0)  # as if it sat idle
+        async with store.transaction() as work:
+            await work.conn.execute(text("SELECT 1"))
+        assert checkouts[0] == 2  # stale: back to the pool, checked out (and pinged) again
+    finally:
+        event.remove(store.engine.sync_engine.pool, "checkout", on_checkout)
+        await store.close()
+    pool = store.engine.sync_engine.pool
+    assert pool.checkedout() == 0  # type: ignore[attr-defined]  # close() returned the kept ones
+
+
+async def test_a_failed_transaction_returns_its_connection_to_the_pool(db_urls: DbUrls) -> None:
+    store = await Store.open(db_urls.store)
+    try:
+        with pytest.raises(RuntimeError, match="the block failed"):
+            async with store.transaction() as work:
+                await work.conn.execute(text("SELECT 1"))
+                raise RuntimeError("the block failed")
+        pool = store.engine.sync_engine.pool
+        assert pool.checkedout() == 0  # type: ignore[attr-defined]
+        async with store.transaction() as work:  # and the store goes on
+            assert (await work.conn.execute(text("SELECT 1"))).scalar() == 1
+    finally:
+        await store.close()
