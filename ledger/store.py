@@ -428,18 +428,31 @@ class Store:
         if conn is None:
             conn = await self.engine.connect()
         try:
-            async with conn.begin():
-                work = Work(conn=conn, store=self, now_ms=self.now_ms())
-                info = conn.sync_connection.info  # type: ignore[union-attr]
-                info[_WORK_KEY] = work
-                try:
-                    yield work
-                    await work.flush()
-                finally:
-                    info.pop(_WORK_KEY, None)
+            sync = conn.sync_connection
+            assert sync is not None
+            # SQLAlchemy's transaction, begun and ended on the loop where nothing is sent: the
+            # asyncpg adapter sends BEGIN lazily, before its first statement, and a transaction
+            # whose writes all went in one implicit statement (ledger/batched.py) has no
+            # COMMIT to send. Only a begun one commits through the greenlet bridge (its COMMIT
+            # is a round trip). ``AsyncConnection.begin()`` and its exit took two greenlet
+            # hops per transaction for what is, in the usual case, bookkeeping.
+            outer = sync.begin()
+            work = Work(conn=conn, store=self, now_ms=self.now_ms())
+            info = sync.info
+            info[_WORK_KEY] = work
+            try:
+                yield work
+                await work.flush()
+            finally:
+                info.pop(_WORK_KEY, None)
+            if sync.connection.dbapi_connection._started:  # type: ignore[union-attr]
+                await conn.commit()
+            else:
+                outer.commit()  # the commit event still counts it: the implicit one committed
         except BaseException:
-            # Back to the pool, which pings or replaces it before it is used again. A lost
-            # connection sends the idle ones there too: if the server went away, so did they.
+            # Back to the pool (rolled back on the way), which pings or replaces it before it
+            # is used again. A lost connection sends the idle ones there too: if the server
+            # went away, so did they.
             lost = conn.invalidated
             await asyncio.shield(conn.close())
             if lost:
