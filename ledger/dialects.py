@@ -210,14 +210,35 @@ def _sqlite_engine(url: str, synchronous: str, busy_timeout_ms: int) -> AsyncEng
         # BEGIN is ours to write. Written here on the driver's cursor rather than by
         # ``exec_driver_sql`` in the event (a whole SQLAlchemy execute per transaction); an
         # error here is wrapped and translated like any statement's (StoreBusy on a lock).
+        statement = dbapi_connection.info.pop(_BEGIN_KEY, "BEGIN IMMEDIATE")
+        if _begun_by_the_store(dbapi_connection):
+            return  # Store._begin_writer wrote it on the driver: this begin is bookkeeping
         cursor = dbapi_connection.cursor()
         try:
-            cursor.execute(dbapi_connection.info.pop(_BEGIN_KEY, "BEGIN IMMEDIATE"))
+            cursor.execute(statement)
         finally:
             cursor.close()
 
+    own_commit = engine.sync_engine.dialect.do_commit
+
+    def do_commit(dbapi_connection: Any) -> None:
+        if _begun_by_the_store(dbapi_connection, committed=True):
+            return  # Store._commit_writer committed it on the driver: nothing left to send
+        own_commit(dbapi_connection)
+
     engine.sync_engine.dialect.do_begin = do_begin  # type: ignore[method-assign]
+    engine.sync_engine.dialect.do_commit = do_commit  # type: ignore[method-assign]
     return engine
+
+
+def _begun_by_the_store(dbapi_connection: Any, *, committed: bool = False) -> bool:
+    """Whether the store wrote this transaction's ``BEGIN`` (still open) or ``COMMIT``
+    (``committed``: none is open any more) on a :mod:`ledger.sqlite_inline` connection itself,
+    so SQLAlchemy's own begin or commit has nothing to send (``Store._begin_writer``)."""
+    driver = getattr(dbapi_connection, "driver_connection", None)
+    if not isinstance(driver, sqlite_inline.InlineConnection):
+        return False
+    return driver.in_transaction is not committed
 
 
 #: Where the begin event leaves the BEGIN statement for ``do_begin`` (the pooled connection's

@@ -237,6 +237,30 @@ class HotPath:
         except Exception as exc:
             await _raise_as_sqlalchemy(conn, exc, compiled.sql, args)
 
+    async def begin_write(self, conn: AsyncConnection) -> bool:
+        """``BEGIN IMMEDIATE`` written on a :mod:`ledger.sqlite_inline` connection itself
+        (``False``: another driver, nothing done)."""
+        driver: Any = conn.sync_connection.connection.driver_connection  # type: ignore[union-attr]
+        if not isinstance(driver, InlineConnection):
+            return False
+        try:
+            await driver.begin_immediate()
+        except Exception as exc:
+            await _raise_as_sqlalchemy(conn, exc, "BEGIN IMMEDIATE", ())
+        return True
+
+    async def commit_write(self, conn: AsyncConnection) -> bool:
+        """``COMMIT`` on a :mod:`ledger.sqlite_inline` connection itself (``False``: another
+        driver, nothing done)."""
+        driver: Any = conn.sync_connection.connection.driver_connection  # type: ignore[union-attr]
+        if not isinstance(driver, InlineConnection):
+            return False
+        try:
+            await driver.commit()
+        except Exception as exc:
+            await _raise_as_sqlalchemy(conn, exc, "COMMIT", ())
+        return True
+
     async def driver_sql(self, conn: AsyncConnection, sql: str) -> None:
         """A parameterless statement the store writes itself (SQLite savepoints)."""
         driver: Any = conn.sync_connection.connection.driver_connection  # type: ignore[union-attr]

@@ -185,6 +185,12 @@ class InlineConnection:
             return
         await self._commit_with(self._conn.commit)
 
+    async def begin_immediate(self) -> None:
+        """``BEGIN IMMEDIATE`` as :meth:`InlineCursor.execute` runs it, for a caller that holds
+        this connection and writes its own ``BEGIN`` (the store's writer)."""
+        self._begun("BEGIN IMMEDIATE")
+        await self._begin_write(self._conn, "BEGIN IMMEDIATE", ())
+
     def _holds_write_lock(self) -> bool:
         return self._conn.in_transaction and not self._reader
 
@@ -195,7 +201,9 @@ class InlineConnection:
             self._conn.execute(f"PRAGMA busy_timeout={self._busy_timeout_ms}")
             self._waits_for_locks = True
 
-    async def _begin_write(self, cursor: sqlite3.Cursor, sql: str, args: Sequence[Any]) -> None:
+    async def _begin_write(
+        self, cursor: sqlite3.Cursor | sqlite3.Connection, sql: str, args: Sequence[Any]
+    ) -> None:
         """``BEGIN IMMEDIATE`` on the loop when the write lock is free — the usual case, since
         this process's writers already queue on the store's lock — else wait for it off the
         loop, with the connection's busy timeout.

@@ -46,6 +46,41 @@ async def test_happy_path_commits_at_most_n_plus_3(world: World) -> None:
     assert (await world.shop.counts())["email.send"] == 1
 
 
+async def test_happy_path_never_crosses_sqlalchemys_greenlet_bridge(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Each crossing (AsyncConnection.begin/commit/execute, a pool checkout) costs a greenlet
+    # spawn and several switches. On the happy path every statement is the hot path's, the
+    # SQLite writer writes its own BEGIN/COMMIT (Store._begin_writer), and a PostgreSQL
+    # transaction of blind writes is begun and ended on the loop on a kept connection
+    # (Store._transaction): a warm saga crosses none. A regression shows up as a count here.
+    import sqlalchemy.ext.asyncio.engine as async_engine
+
+    saga = order_saga()
+    await world.orch.register(saga)
+    await world.orch.execute(saga, order("43"))  # warm: definitions, caches, a connection
+    spawned: list[object] = []
+    real_spawn = async_engine.greenlet_spawn
+
+    ours = world.orch.store.engine.sync_engine
+
+    def engine_of(fn: Any) -> Any:
+        owner = getattr(fn, "__self__", None)
+        owner = getattr(owner, "connection", owner)  # a Transaction's, or the Connection
+        return getattr(owner, "engine", owner)
+
+    async def counting_spawn(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        if engine_of(fn) is ours:  # the provider's own database is not the engine's cost
+            spawned.append(fn)
+        return await real_spawn(fn, *args, **kwargs)
+
+    monkeypatch.setattr(async_engine, "greenlet_spawn", counting_spawn)
+    monkeypatch.setattr("ledger.dialects.PING_BYPASS_SECONDS", 3600.0)  # a slow machine's gap
+    result = await world.orch.execute(saga, order("44"))
+    assert result.status is TxState.COMMITTED
+    assert spawned == []
+
+
 async def test_happy_path_reads_nothing_back_and_sends_one_statement_per_commit(
     world: World,
 ) -> None:
