@@ -240,25 +240,21 @@ class HotPath:
     async def begin_write(self, conn: AsyncConnection) -> bool:
         """``BEGIN IMMEDIATE`` written on a :mod:`ledger.sqlite_inline` connection itself
         (``False``: another driver, nothing done)."""
-        driver: Any = conn.sync_connection.connection.driver_connection  # type: ignore[union-attr]
-        if not isinstance(driver, InlineConnection):
-            return False
-        try:
-            await driver.begin_immediate()
-        except Exception as exc:
-            await _raise_as_sqlalchemy(conn, exc, "BEGIN IMMEDIATE", ())
-        return True
+        return await self._control(conn, "BEGIN IMMEDIATE")
 
     async def commit_write(self, conn: AsyncConnection) -> bool:
         """``COMMIT`` on a :mod:`ledger.sqlite_inline` connection itself (``False``: another
         driver, nothing done)."""
+        return await self._control(conn, "COMMIT")
+
+    async def _control(self, conn: AsyncConnection, sql: str) -> bool:
         driver: Any = conn.sync_connection.connection.driver_connection  # type: ignore[union-attr]
         if not isinstance(driver, InlineConnection):
             return False
         try:
-            await driver.commit()
+            await (driver.commit() if sql == "COMMIT" else driver.begin_immediate())
         except Exception as exc:
-            await _raise_as_sqlalchemy(conn, exc, "COMMIT", ())
+            await _raise_as_sqlalchemy(conn, exc, sql, ())
         return True
 
     async def driver_sql(self, conn: AsyncConnection, sql: str) -> None:
