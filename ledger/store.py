@@ -469,7 +469,7 @@ class Store:
         bench's profile), for a connection that had just proved itself by committing. So the
         store keeps the connections it committed on, most recent last, and hands one out again
         within the window in which the pool would have handed it out unpinged anyway
-        (:func:`ledger.dialects.create_engine` says what that window gives up). Older ones go
+        (`ledger.dialects._ping_in_one_round_trip` says what that window gives up). Older ones go
         back to the pool stamped with when they were last used, so the pool pings them at their
         next checkout exactly as if they had never been held."""
         idle = self._idle
