@@ -106,3 +106,29 @@ async def test_a_connection_the_store_kept_idle_past_the_window_is_pinged(
     await asyncio.sleep(1.2)
     await _backend_pid(store)
     assert pings[0] == before + 1
+
+
+async def test_a_lost_connection_sends_every_kept_one_back_to_the_pool(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # If the server went away, so did every connection the store kept idle (Store._transaction):
+    # they go back to the pool, which pings or replaces them, instead of failing one saga each.
+    monkeypatch.setattr(dialects, "PING_BYPASS_SECONDS", 3600.0)
+    kept_in_order: list[int] = []
+    both_in = asyncio.Barrier(2)
+
+    async def one() -> None:
+        async with store.transaction() as work:
+            pid = int((await work.conn.execute(text("SELECT pg_backend_pid()"))).scalar_one())
+            await both_in.wait()  # two connections held at once, so the store keeps two
+        kept_in_order.append(pid)
+
+    await asyncio.gather(one(), one())
+    assert len(set(kept_in_order)) == 2
+    pool = store.engine.sync_engine.pool
+    assert pool.checkedout() == 2  # type: ignore[attr-defined]  # both kept by the store
+    await _pg_execute(f"SELECT pg_terminate_backend({kept_in_order[-1]})")  # the one taken next
+    with pytest.raises(StoreUnavailable):
+        await _backend_pid(store)
+    assert pool.checkedout() == 0  # type: ignore[attr-defined]  # the live one went back too
+    assert await _backend_pid(store) != kept_in_order[-1]  # and the store goes on
