@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
+from json.encoder import c_make_encoder, encode_basestring_ascii  # type: ignore[attr-defined]
 from typing import Any
 
 
@@ -18,21 +20,57 @@ class NotCanonicalizable(ValueError):
     """The value has no canonical JSON form (a set, a datetime, NaN, a non-string key ...)."""
 
 
-#: One encoder for every call: ``json.dumps`` with any non-default option builds a new
-#: ``JSONEncoder`` each time, and the ledger encodes about fifty values per saga. The text is
-#: the same (``dumps`` is this encoder's ``encode``).
-_ENCODER = json.JSONEncoder(
-    sort_keys=True,
-    separators=(",", ":"),
-    ensure_ascii=True,
-    allow_nan=False,
-)
+def _prebuilt(
+    *, sort_keys: bool, separators: tuple[str, str], allow_nan: bool
+) -> Callable[[Any], str]:
+    """A function that gives exactly ``json.dumps(value, ensure_ascii=True, ...)`` with these
+    options, for less client CPU.
+
+    ``json.dumps`` (and ``JSONEncoder.encode``) builds a fresh C encoder on every call, with a
+    dict for cycle detection; for the small values the engine encodes (about fifty per saga:
+    ledger details and chain links, fingerprints, JSON columns) that set-up was most of the
+    cost (``docs/benchmarks.md``, item 28). This one builds the C encoder once, without the
+    cycle dict, so it holds no state between calls and may be shared by threads. A value the
+    C encoder recurses on without end (a cycle, or nesting deeper than the interpreter's limit)
+    is handed to the reference encoder, which raises what ``json.dumps`` raises for it."""
+    item_separator, key_separator = separators
+    reference = json.JSONEncoder(
+        sort_keys=sort_keys, separators=separators, ensure_ascii=True, allow_nan=allow_nan
+    )
+    if c_make_encoder is None:  # pragma: no cover  (no C accelerator: not CPython)
+        return reference.encode
+    chunks = c_make_encoder(
+        None,  # no cycle dict: see above
+        reference.default,  # raises TypeError("Object of type ... is not JSON serializable")
+        encode_basestring_ascii,
+        None,  # no indent
+        key_separator,
+        item_separator,
+        sort_keys,
+        False,  # skipkeys
+        allow_nan,
+    )
+
+    def encode(value: Any) -> str:
+        try:
+            return "".join(chunks(value, 0))
+        except RecursionError:
+            return reference.encode(value)
+
+    return encode
+
+
+_canonical = _prebuilt(sort_keys=True, separators=(",", ":"), allow_nan=False)
+
+#: ``json.dumps(value)`` with its defaults, prebuilt: the stores' JSON-column serializer
+#: (``ledger.dialects.create_engine``), so the text written is what SQLAlchemy's default wrote.
+plain_json = _prebuilt(sort_keys=False, separators=(", ", ": "), allow_nan=True)
 
 
 def canonical_json(value: Any) -> str:
     """The canonical JSON text of ``value``; raises :class:`NotCanonicalizable` if it has none."""
     try:
-        return _ENCODER.encode(value)
+        return _canonical(value)
     except (TypeError, ValueError) as exc:
         raise NotCanonicalizable(str(exc)) from exc
 

@@ -197,7 +197,7 @@ class Work:
     ) -> None:
         """Append a ledger row to this transaction's chain (written at commit)."""
         prev = self._heads[chain.tx_id][1] if chain.tx_id in self._heads else chain.head
-        text = canonical_json(dict(detail or {}))
+        text = canonical_json(dict(detail)) if detail else "{}"
         digest = ledger_hash(
             prev, chain.tx_id, subject, action, from_state, to_state, text, self.now_ms
         )
