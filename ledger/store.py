@@ -249,20 +249,17 @@ class CommitGroup:
     committer: asyncio.Future[None] | None = None
 
 
-@asynccontextmanager
-async def _translated() -> AsyncIterator[None]:
-    """Driver exceptions as :mod:`ledger.errors`."""
-    try:
-        yield
-    except Exception as exc:
-        translated = dialects.translate(exc)
-        if isinstance(translated, DuplicateKey) and _is_ledger_chain(translated.what):
-            # Our in-memory chain head is stale: another holder appended to this
-            # transaction's ledger since we last saw it, i.e. it holds the transaction now.
-            raise LeaseLost("ledger chain (another holder wrote this transaction)", 0) from exc
-        if translated is not None and translated is not exc:
-            raise translated from exc
-        raise
+def _translation(exc: Exception) -> Exception | None:
+    """The :mod:`ledger.errors` exception a driver exception stands for (``None``: raise it as
+    it is)."""
+    translated = dialects.translate(exc)
+    if isinstance(translated, DuplicateKey) and _is_ledger_chain(translated.what):
+        # Our in-memory chain head is stale: another holder appended to this
+        # transaction's ledger since we last saw it, i.e. it holds the transaction now.
+        return LeaseLost("ledger chain (another holder wrote this transaction)", 0)
+    if translated is not None and translated is not exc:
+        return translated
+    return None
 
 
 async def _quietly(step: Awaitable[Any]) -> None:
@@ -412,12 +409,20 @@ class Store:
         It is durable when the block exits: nothing written in it may be acted on before.
         On SQLite it may share its physical commit with the transactions of other tasks of
         this process (:class:`CommitGroup`); on PostgreSQL it is its own."""
-        if self._write_lock is not None:
-            async with _translated(), self._grouped() as work:
-                yield work
-        else:
-            async with _translated(), self._transaction() as work:
-                yield work
+        # Errors translated here rather than in a context manager of their own: one generator
+        # fewer to enter and leave per local transaction.
+        try:
+            if self._write_lock is not None:
+                async with self._grouped() as work:
+                    yield work
+            else:
+                async with self._transaction() as work:
+                    yield work
+        except Exception as exc:
+            translated = _translation(exc)
+            if translated is None:
+                raise
+            raise translated from exc
 
     @asynccontextmanager
     async def _transaction(self) -> AsyncIterator[Work]:
