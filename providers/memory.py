@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import uuid
+import os
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -48,15 +48,19 @@ from providers.fake.shop import COUNTED_ACTIONS
 Business = Callable[[str, JsonObject], Confirmed | Rejected]
 
 
+#: One encoder for every call: ``json.dumps`` with options builds a new one each time.
+_ENCODER = json.JSONEncoder(
+    sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False
+)
+
+
 def _canonical(value: Any) -> str:
     # The fake shop's canonical form, so both providers judge "same payload" identically.
-    return json.dumps(
-        value, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False
-    )
+    return _ENCODER.encode(value)
 
 
 def _new_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex[:20]}"
+    return f"{prefix}_{os.urandom(10).hex()}"  # 20 random hex digits, a third of uuid4()'s cost
 
 
 @dataclass(slots=True)
@@ -141,13 +145,13 @@ class MemoryProvider:
             if highest is not None and fence < highest:
                 return FencedOut(highest)
             self._fences[key] = fence if highest is None else max(highest, fence)
-        problem = self._payload_problem(contract, payload)
+        problem, text = self._payload_problem(contract, payload)
         if problem is not None:
             return Rejected(f"invalid_payload: {problem}")
         if contract.read_only:
             # A read has no effect to remember: no entry, no counters, a fresh answer each time.
             return self._business[action](key, payload)
-        sha = hashlib.sha256(_canonical(dict(payload)).encode()).hexdigest()
+        sha = hashlib.sha256(text.encode()).hexdigest()
         entry = self._entries.get(key)
         if entry is not None:
             return _replay(entry, action, sha)
@@ -163,17 +167,19 @@ class MemoryProvider:
             self._entries[key] = _Entry(action, sha, "rejected", reason=decided.reason)
         return decided
 
-    def _payload_problem(self, contract: ActionContract, payload: object) -> str | None:
+    def _payload_problem(self, contract: ActionContract, payload: object) -> tuple[str | None, str]:
+        """What is wrong with ``payload`` (``None``: nothing) and its canonical text (encoded
+        once: the check and the fingerprint both need it)."""
         if not isinstance(payload, Mapping) or not all(isinstance(k, str) for k in payload):
-            return "payload must be a JSON object"
+            return "payload must be a JSON object", ""
         missing = required_problem(contract, payload)
         if missing is not None:
-            return missing
+            return missing, ""
         try:
-            _canonical(dict(payload))
+            text = _canonical(dict(payload))
         except (TypeError, ValueError) as exc:
-            return f"payload is not JSON: {exc}"
-        return self._validators[contract.name](payload)
+            return f"payload is not JSON: {exc}", ""
+        return self._validators[contract.name](payload), text
 
     async def lookup(
         self, action: str, *, key: str, payload: JsonObject, void_if_missing: bool = False
