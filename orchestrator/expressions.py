@@ -390,6 +390,9 @@ def refs(expr: object) -> set[str]:
 
 def _to_json(value: object, ref_path: str, path: str) -> object:
     """A plain-JSON deep copy of ``value`` (iterative); ``not_json`` if it has no JSON form."""
+    kind = type(value)
+    if kind is str or kind is int or kind is bool or value is None:
+        return value  # an immutable JSON scalar of the exact type is its own copy (most refs)
     holder: list[object] = [None]
     stack: list[tuple[object, list[object] | dict[str, object], int | str]] = [(value, holder, 0)]
     copied = 0
@@ -783,12 +786,55 @@ _HANDLERS: Final[dict[str, _Handler]] = {
 assert _HANDLERS.keys() == OPERATORS
 
 
+_Compiled = Callable[[_Scope], object]
+#: Compiled forms of prevalidated expressions, by the id of the expression object (held in the
+#: entry, so that its id is not reused while the entry lives). Bounded: emptied when full, as a
+#: caller that parses definitions afresh brings new objects each time.
+_COMPILED: dict[int, tuple[object, _Compiled]] = {}
+_COMPILED_MAX: Final = 4096
+
+
+def _compiled(expr: object) -> _Compiled:
+    entry = _COMPILED.get(id(expr))
+    if entry is None or entry[0] is not expr:
+        if len(_COMPILED) >= _COMPILED_MAX:
+            _COMPILED.clear()
+        entry = _COMPILED[id(expr)] = (expr, _compile(expr, ""))
+    return entry[1]
+
+
+def _compile(node: object, path: str) -> _Compiled:
+    """``node`` as a function of the scope that returns what ``_eval(node, path, scope)``
+    returns, errors and their paths included.
+
+    The structure (which nodes are plain objects, lists, operators or constants) and every
+    path are settled here once, instead of on every evaluation: a saga renders each payload
+    template of its definition at least once, and that walk was most of a render's cost. An
+    operator node calls its handler as ``_eval`` does, so its operands are evaluated the same
+    way."""
+    if isinstance(node, dict):
+        members = cast(dict[str, object], node)
+        operator = _operator_of(members)
+        if operator is not None:
+            name, arg = operator
+            handler, arg_path = _HANDLERS[name], path + _seg(name)
+            return lambda scope: handler(arg, arg_path, path, scope)
+        parts = tuple((key, _compile(member, path + _seg(key))) for key, member in members.items())
+        return lambda scope: {key: part(scope) for key, part in parts}
+    if isinstance(node, list):
+        items = tuple(_compile(item, path + _seg(i)) for i, item in enumerate(node))
+        return lambda scope: [item(scope) for item in items]
+    return lambda _scope: node
+
+
 def evaluate(expr: object, scope: Mapping[str, object], *, prevalidated: bool = False) -> object:
     """Validate, then evaluate ``expr`` against ``scope``; the result is a fresh plain-JSON value.
 
-    ``prevalidated=True`` skips the structural walk: only for expressions of a parsed, immutable
+    ``prevalidated=True`` skips the structural walk and runs the expression's compiled form
+    (built at its first use, :func:`_compile`): only for expressions of a parsed, immutable
     saga definition, which :func:`validate` checked at parse time (re-walking every template on
-    every saga was a measurable share of the hot path).
+    every saga was a measurable share of the hot path). Mutating such an expression afterwards
+    is not seen by its compiled form.
 
     Raises :class:`ExpressionError` for malformed expressions and evaluation failures alike.
     """
@@ -796,7 +842,8 @@ def evaluate(expr: object, scope: Mapping[str, object], *, prevalidated: bool = 
         raise TypeError("scope must be a mapping")
     if not prevalidated:
         _walk(expr)
-    return _eval(expr, "", scope)
+        return _eval(expr, "", scope)
+    return _compiled(expr)(scope)
 
 
 def render(template: object, scope: Mapping[str, object], *, prevalidated: bool = False) -> object:

@@ -790,3 +790,87 @@ def test_div_mod_agree(a: int, b: int) -> None:
     else:
         assert isinstance(quotient, float)
         assert math.isclose(quotient, a / b)
+
+
+# -- prevalidated expressions run compiled (expressions._compile) -----------------------------
+
+_keys = st.sampled_from(["a", "b", "x/y", "t~1", "0", "amount"])
+_refs = st.sampled_from(
+    ["inputs.amount", "inputs.sku", "inputs.missing", "steps.reserve.result", "a.0", "nums.9"]
+)
+_templates = st.recursive(
+    st.none() | st.booleans() | st.integers(-5, 5) | st.text(max_size=3),
+    lambda inner: (
+        st.lists(inner, max_size=3)
+        | st.dictionaries(_keys, inner, max_size=3)
+        | st.builds(lambda path: {"$ref": path}, _refs)
+        | st.builds(lambda v: {"$literal": v}, inner)
+        | st.builds(lambda xs: {"$coalesce": xs}, st.lists(inner, min_size=1, max_size=3))
+        | st.builds(lambda a, b: {"$add": [a, b]}, inner, inner)
+        | st.builds(lambda a, b: {"$eq": [a, b]}, inner, inner)
+        | st.builds(lambda xs: {"$concat": xs}, st.lists(inner, min_size=1, max_size=3))
+    ),
+    max_leaves=12,
+)
+_SCOPE = {
+    "inputs": {"amount": 3, "sku": "A-1"},
+    "steps": {"reserve": {"result": {"id": "r1"}}},
+    "a": [7, "b"],
+    "nums": [1, 2],
+}
+
+
+def _outcome(expr: object, *, prevalidated: bool) -> object:
+    try:
+        return ("value", evaluate(expr, _SCOPE, prevalidated=prevalidated))
+    except ExpressionError as exc:
+        return ("error", exc.code, exc.path, str(exc))
+
+
+@given(_templates)
+def test_a_prevalidated_expression_evaluates_as_the_interpreter_does(expr: object) -> None:
+    # The compiled form must give the same value, or the same error at the same path.
+    try:
+        validate(expr)
+    except ExpressionError:
+        return  # only a parsed definition's (validated) expressions run prevalidated
+    first = _outcome(expr, prevalidated=True)
+    assert first == _outcome(expr, prevalidated=False)
+    assert _outcome(expr, prevalidated=True) == first  # and again, from the cache
+
+
+def test_compiled_results_are_fresh_copies() -> None:
+    template = {"order": {"items": [{"$ref": "inputs.sku"}]}, "n": {"$literal": [1]}}
+    one = render(template, _SCOPE, prevalidated=True)
+    assert isinstance(one, dict)
+    one["order"]["items"].append("mutated")
+    one["n"].append(2)
+    assert render(template, _SCOPE, prevalidated=True) == {"order": {"items": ["A-1"]}, "n": [1]}
+
+
+def test_the_compiled_cache_is_bounded_and_keyed_by_the_object() -> None:
+    for i in range(ex._COMPILED_MAX + 10):
+        assert render({"v": i}, _SCOPE, prevalidated=True) == {"v": i}
+        assert len(ex._COMPILED) <= ex._COMPILED_MAX
+    # A new object at an old object's address is compiled afresh, never served the old form.
+    for i in range(200):
+        assert render([i, {"$ref": "inputs.amount"}], _SCOPE, prevalidated=True) == [i, 3]
+
+
+def test_a_ref_to_a_str_or_int_subclass_gives_the_plain_json_type() -> None:
+    # Exact str/int/bool/None are returned as they are (their own copy); a subclass (an enum
+    # member, say) is still converted to the plain type.
+    from enum import IntEnum, StrEnum
+
+    class Colour(StrEnum):
+        RED = "red"
+
+    class Size(IntEnum):
+        L = 3
+
+    scope = {"inputs": {"c": Colour.RED, "s": Size.L}}
+    for prevalidated in (False, True):
+        out = render({"c": ref("inputs.c"), "s": ref("inputs.s")}, scope, prevalidated=prevalidated)
+        assert isinstance(out, dict)
+        assert type(out["c"]) is str and out["c"] == "red"
+        assert type(out["s"]) is int and out["s"] == 3
