@@ -15,7 +15,6 @@ atomic with respect to the other coroutines: no lock is needed.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from collections import Counter
 from collections.abc import Callable, Mapping
@@ -45,18 +44,10 @@ from providers.fake.actions import (
 )
 from providers.fake.shop import COUNTED_ACTIONS
 
+# The fake shop's canonical form, so both providers judge "same payload" identically.
+from providers.fake.store import canonical_json as _canonical
+
 Business = Callable[[str, JsonObject], Confirmed | Rejected]
-
-
-#: One encoder for every call: ``json.dumps`` with options builds a new one each time.
-_ENCODER = json.JSONEncoder(
-    sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False
-)
-
-
-def _canonical(value: Any) -> str:
-    # The fake shop's canonical form, so both providers judge "same payload" identically.
-    return _ENCODER.encode(value)
 
 
 def _new_id(prefix: str) -> str:

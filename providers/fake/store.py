@@ -31,11 +31,15 @@ _SQLITE_BUSY_TIMEOUT_MS = 30_000
 _PG_DDL_LOCK = 774_201_311
 
 
+#: One encoder for every call: ``json.dumps`` with options builds a new one each time.
+_ENCODER = json.JSONEncoder(
+    sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False
+)
+
+
 def canonical_json(value: Any) -> str:
     """Sorted keys, no spaces, ASCII only, no NaN: equal payloads give equal text."""
-    return json.dumps(
-        value, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False
-    )
+    return _ENCODER.encode(value)
 
 
 def sha256_hex(text_value: str) -> str:
