@@ -28,7 +28,6 @@ from sqlalchemy import (
     and_,
     bindparam,
     case,
-    exists,
     func,
     literal,
     or_,
@@ -265,11 +264,21 @@ def _claimed(table: Table, now: ColumnElement[int]) -> dict[str, Any]:
 
 
 def _tx_fence_holds(table: Table) -> ColumnElement[bool]:
-    """The effect's transaction still carries the claimer's fence (``p_tx_fence``)."""
-    return exists().where(
-        transactions.c.tx_id == table.c.tx_id,
-        transactions.c.fence == bindparam("p_tx_fence", type_=BigInteger),
-    )
+    """The effect belongs to transaction ``p_tx_id`` and that transaction still carries the
+    claimer's fence (``p_tx_fence``).
+
+    Why an uncorrelated scalar subquery keyed by a parameter, not ``EXISTS`` correlated on
+    ``table.tx_id``: PostgreSQL turns the correlated form into a join, and the generic plan a
+    prepared statement settles on after five executions is made once, from the table sizes of
+    that moment. Planned on a young database (or one never analyzed) it joined a *sequential
+    scan* of ``transactions``, kept for the connection's life, so every claim read the whole
+    table: the bench's throughput fell with N and its server CPU per saga grew (measured in
+    ``docs/benchmarks.md``, item 32). Keyed by ``p_tx_id``, the lookup is an ``InitPlan`` on the
+    primary key in every plan; ``table.tx_id = p_tx_id`` keeps the check exactly what the
+    correlated one said."""
+    tx_id = bindparam("p_tx_id", type_=String)
+    current = select(transactions.c.fence).where(transactions.c.tx_id == tx_id).scalar_subquery()
+    return and_(table.c.tx_id == tx_id, current == bindparam("p_tx_fence", type_=BigInteger))
 
 
 def is_fresh(e: Effect) -> bool:
@@ -503,6 +512,7 @@ async def claim(
         params["p_payload_sha256"] = payload_sha256
     if tx_fence is not None:
         params["p_tx_fence"] = tx_fence
+        params["p_tx_id"] = chain.tx_id
     row = (await work.conn.execute(stmt, params)).first()
     if row is None:
         return None
@@ -548,6 +558,7 @@ async def claim_fresh(
         "p_lease_ms": lease_ms,
         "p_updated_at": work.now_ms,
         "p_tx_fence": tx_fence,
+        "p_tx_id": known.tx_id,
     }
     if set_payload:
         params["p_payload"] = payload
