@@ -40,7 +40,14 @@ from sqlalchemy.sql.dml import Insert, ReturningUpdate, Update
 from sqlalchemy.sql.selectable import Select
 
 from ledger.errors import LeaseLost
-from ledger.schema import Json, compensation_steps, operations, outbox, transactions
+from ledger.schema import (
+    Json,
+    compensation_steps,
+    effects_unsettled,
+    operations,
+    outbox,
+    transactions,
+)
 from ledger.states import CLAIMABLE, MAYBE_SENT, EffectState, check_effect_transition
 from ledger.store import Chain, Work
 
@@ -808,7 +815,7 @@ async def due(
     stmt = (
         select(table)
         .where(
-            table.c.state.in_([s.value for s in CLAIMABLE]),
+            effects_unsettled(table),  # as ``ix_<table>_due`` says it (schema.literal_in)
             or_(table.c.state != EffectState.EXECUTING.value, table.c.lease_until <= now),
             or_(table.c.next_attempt_at.is_(None), table.c.next_attempt_at <= now),
         )
@@ -821,8 +828,7 @@ async def due(
 async def count_unsettled(conn: AsyncConnection, kind: EffectKind) -> int:
     """Effects still pending, executing or in doubt (not terminal, not parked)."""
     table = _TABLES[kind]
-    unsettled = [EffectState.PENDING.value, EffectState.EXECUTING.value, EffectState.UNKNOWN.value]
-    stmt = select(func.count()).select_from(table).where(table.c.state.in_(unsettled))
+    stmt = select(func.count()).select_from(table).where(effects_unsettled(table))
     return int((await conn.execute(stmt)).scalar_one())
 
 
@@ -831,8 +837,7 @@ async def oldest_unsettled_age_ms(
 ) -> int | None:
     """How long the oldest pending / executing / in-doubt effect has waited (ms), if any."""
     table = _TABLES[kind]
-    unsettled = [EffectState.PENDING.value, EffectState.EXECUTING.value, EffectState.UNKNOWN.value]
-    stmt = select(now - func.min(table.c.updated_at)).where(table.c.state.in_(unsettled))
+    stmt = select(now - func.min(table.c.updated_at)).where(effects_unsettled(table))
     value = (await conn.execute(stmt)).scalar_one_or_none()
     return int(value) if value is not None else None
 

@@ -128,6 +128,10 @@ EFFECT_TRANSITIONS: Final[Mapping[EffectState, frozenset[EffectState]]] = {
     EffectState.SKIPPED: frozenset(),
 }
 
+#: Transaction statuses a recovering worker may pick up: in flight, nobody holding a live lease.
+RESUMABLE: Final = frozenset(
+    {TxState.PREPARED, TxState.EXECUTING, TxState.VALIDATING, TxState.COMPENSATING}
+)
 #: States from which a claim may take an effect (derived, so the claim CAS and the table agree).
 CLAIMABLE: Final = frozenset(
     s for s, nxt in EFFECT_TRANSITIONS.items() if EffectState.EXECUTING in nxt

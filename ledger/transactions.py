@@ -30,14 +30,9 @@ from sqlalchemy.sql.dml import Insert, ReturningUpdate, Update
 
 from ledger import dialects, events
 from ledger.errors import LeaseLost
-from ledger.schema import Json, transactions
-from ledger.states import TX_TERMINAL, TxState, check_tx_transition
+from ledger.schema import Json, transactions, transactions_due, transactions_live
+from ledger.states import RESUMABLE, TX_TERMINAL, TxState, check_tx_transition
 from ledger.store import Chain, Work
-
-#: Statuses a recovering worker may pick up: in flight, nobody holding a live lease.
-RESUMABLE = frozenset(
-    {TxState.PREPARED, TxState.EXECUTING, TxState.VALIDATING, TxState.COMPENSATING}
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -457,7 +452,9 @@ class ClaimedTx:
 
 def _due_condition(now: ColumnElement[int]) -> list[ColumnElement[bool]]:
     return [
-        transactions.c.status.in_([s.value for s in RESUMABLE]),
+        # In-flight statuses as literal equalities (schema.literal_in), read through
+        # ``ix_transactions_status_next``.
+        transactions_due(),
         or_(transactions.c.lease_until.is_(None), transactions.c.lease_until <= now),
         or_(transactions.c.next_attempt_at.is_(None), transactions.c.next_attempt_at <= now),
     ]
@@ -543,7 +540,7 @@ async def live_by_business_key(conn: AsyncConnection, business_key: str) -> TxRe
     """The transaction currently holding ``business_key`` (not failed, not compensated)."""
     stmt = select(transactions).where(
         transactions.c.business_key == business_key,
-        transactions.c.status.not_in([TxState.FAILED.value, TxState.COMPENSATED.value]),
+        transactions_live(),  # as uq_transactions_business_key_live says it: that index serves
     )
     row = (await conn.execute(stmt)).first()
     return _record(row) if row is not None else None
@@ -558,6 +555,13 @@ async def due(conn: AsyncConnection, now: ColumnElement[int], *, limit: int = 10
         .limit(limit)
     )
     return list((await conn.execute(stmt)).scalars().all())
+
+
+async def count_resumable(conn: AsyncConnection) -> int:
+    """Transactions in flight (a recovery pass may pick them up): read from the partial index
+    that holds only those, so the count costs the work in hand, not the history."""
+    stmt = select(func.count()).select_from(transactions).where(transactions_due())
+    return int((await conn.execute(stmt)).scalar_one())
 
 
 async def count_by_status(conn: AsyncConnection) -> dict[str, int]:

@@ -839,11 +839,12 @@ class Orchestrator:
 
     async def in_flight(self) -> int:
         """Transactions not yet terminal or parked, plus outbox events not yet settled."""
+        # In flight: prepared, executing, validating or compensating (not terminal, parked or
+        # staged), each count read from the partial index holding only such rows.
         async with self.store.read() as conn:
-            counts = await transactions.count_by_status(conn)
+            resumable = await transactions.count_resumable(conn)
             unsettled = await effects.count_unsettled(conn, EffectKind.OUTBOX)
-        idle = TX_TERMINAL | {TxState.MANUAL_REVIEW, TxState.STAGED}
-        return sum(n for s, n in counts.items() if TxState(s) not in idle) + unsettled
+        return resumable + unsettled
 
     # -- reading --------------------------------------------------------------------------------
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from fault_injection import bench_steady
 from fault_injection.bench import BenchConfig, run_bench
 from fault_injection.bench_cli import app
 from fault_injection.bench_dbos import dbos_available
@@ -266,3 +267,18 @@ async def test_memory_provider_effects_and_reversals() -> None:
     assert shop.counts()["inventory.reserve"] == 1
     assert shop.counts()["inventory.release"] == 1
     assert shop.duplicate_keys() == []
+
+
+async def test_steady_workload_runs_every_saga_once(db_urls: DbUrls) -> None:
+    # The fixed workload instructions are counted over (fault_injection/bench_steady.py): the
+    # warm-up and the N sagas all take effect, once each, on either backend.
+    urls = DatabasePair(db_urls.store, db_urls.provider, db_urls.backend)
+    counts = await bench_steady.run(12, 4, urls, drain=True)
+    expected = bench_steady.WARMUP + 12
+    wanted = ("inventory.reserve", "payments.charge", "email.send", "payments.refund")
+    assert {k: counts.get(k, 0) for k in wanted} == {
+        "inventory.reserve": expected,
+        "payments.charge": expected,
+        "email.send": expected,
+        "payments.refund": 0,
+    }

@@ -589,3 +589,63 @@ async def test_the_ledger_has_its_tx_seq_index_on_postgresql_only(
             for plan in await conn.run_sync(_plans):
                 assert "SCAN ledger" not in plan, plan
                 assert "sqlite_autoindex_ledger_1 (tx_id=?)" in plan, plan
+
+
+def _stored_checks(connection: Connection) -> dict[str, str]:
+    """SQLite: each hot table's stored definition (where its CHECK conditions are written)."""
+    rows = connection.exec_driver_sql(
+        "SELECT name, sql FROM sqlite_master WHERE type = 'table' AND name IN "
+        "('transactions', 'operations', 'compensation_steps', 'outbox')"
+    )
+    return {str(name): str(sql) for name, sql in rows}
+
+
+def _index_names(connection: Connection, table: str) -> set[str]:
+    return {str(index["name"]) for index in inspect(connection).get_indexes(table)}
+
+
+async def test_0005_keeps_rows_and_refusals_and_goes_back(
+    make_engine: EngineFactory, backend: str
+) -> None:
+    eng = make_engine("recipe" if backend == "sqlite" else "store")
+    await migrate.upgrade(eng, "0004")
+    await _seed_tx(eng, "tx1", business_key="order-1")
+    await _insert(eng, schema.operations, _op_row("op1", state="confirmed", remote_id="r-1"))
+    event = _op_row("ev1")
+    event["event_key"], event["kind"] = event.pop("op_key"), event.pop("step")
+    await _insert(eng, schema.outbox, event)
+
+    await migrate.upgrade(eng)
+    async with eng.connect() as conn:
+        assert "ix_operations_due" in await conn.run_sync(_index_names, "operations")
+        assert "ix_operations_state_next" not in await conn.run_sync(_index_names, "operations")
+        if backend == "sqlite":
+            stored = await conn.run_sync(_stored_checks)
+            assert all(
+                "state IN (" not in sql and "status IN (" not in sql for sql in stored.values()
+            )
+            assert "state = 'manual_review' OR state = 'skipped'" in stored["outbox"]
+        rows = (
+            await conn.execute(select(schema.operations.c.op_key, schema.operations.c.state))
+        ).all()
+        assert [tuple(r) for r in rows] == [("op1", "confirmed")]
+    # The rewritten conditions refuse and accept what the old ones did.
+    with pytest.raises(IntegrityError) as excinfo:
+        await _insert(eng, schema.operations, _op_row("op2", state="exploded"))
+    assert "ck_operations_state" in str(excinfo.value)
+    with pytest.raises(IntegrityError) as excinfo:
+        await _seed_tx(eng, "tx2", status="exploded")
+    assert "ck_transactions_status" in str(excinfo.value)
+    with pytest.raises(IntegrityError):  # the live business key is still unique
+        await _seed_tx(eng, "tx3", business_key="order-1")
+    await _seed_tx(eng, "tx4", business_key="order-1", status="failed")  # retired: allowed
+
+    await migrate.downgrade(eng, "0004")
+    async with eng.connect() as conn:
+        assert "ix_operations_state_next" in await conn.run_sync(_index_names, "operations")
+        if backend == "sqlite":
+            stored = await conn.run_sync(_stored_checks)
+            assert all("state = 'pending' OR" not in sql for sql in stored.values())
+            assert "state IN ('pending'" in stored["outbox"]
+    with pytest.raises(IntegrityError):
+        await _insert(eng, schema.operations, _op_row("op3", state="exploded"))

@@ -1,0 +1,74 @@
+"""A fixed workload for counting instructions: ``python -m fault_injection.bench_steady N C``.
+
+Why: on this kind of machine the wall clock of the same run moves by a third between runs
+(the virtual machine's neighbours), so a change worth 5 % needs many alternating pairs of
+``agent-txn bench`` to show. ``valgrind --tool=callgrind`` counts the instructions the process
+executes instead, which repeat to within 0.05 % for the same code and inputs. This module runs
+exactly the work the bench measures in-process — a warm-up of 30 order sagas, then N sagas
+with C in flight on the memory provider, then the drain — and nothing time-based (no driver
+loop, no DBOS), so that::
+
+    valgrind --tool=callgrind --callgrind-out-file=/dev/null \\
+        python -m fault_injection.bench_steady 200 16 [sqlite|postgres URL]
+
+minus the same with ``N = 0``, divided by N, is the engine's instructions per saga (kernel
+time, such as the WAL's writes, is not counted: read it with the bench). ``docs/benchmarks.md``
+("Counting instructions") has the figures and the commands. ``--no-drain`` leaves the drain out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import tempfile
+import uuid
+from pathlib import Path
+
+from fault_injection.bench import _run_sagas, open_shop
+from fault_injection.harness import DatabasePair, fresh_databases
+from fault_injection.sagas import order_saga
+from orchestrator.config import EngineSettings
+from orchestrator.engine import Orchestrator
+
+WARMUP = 30
+
+
+async def run(sagas: int, concurrency: int, urls: DatabasePair, *, drain: bool) -> dict[str, int]:
+    """Warm up, then run ``sagas`` order sagas ``concurrency`` at a time (then drain); the
+    shop's effect counts."""
+    settings = EngineSettings(
+        worker_id=f"steady-{uuid.uuid4().hex[:8]}",
+        sqlite_synchronous="NORMAL",
+        pg_pool_size=max(20, concurrency),
+    )
+    async with open_shop("memory", urls.provider) as shop:
+        orch = await Orchestrator.open(urls.store, providers=shop.providers(), settings=settings)
+        async with orch:
+            await orch.register(order_saga())
+            for count, tag in ((WARMUP, "warm"), (sagas, "steady")):
+                if count:
+                    problems = await _run_sagas(orch, count, concurrency, tag, [])
+                    if problems:
+                        raise SystemExit(f"{tag}: {problems[:3]}")
+                    if drain:
+                        await orch.drain()
+            return await shop.counts()
+
+
+async def _main(args: argparse.Namespace) -> None:
+    with tempfile.TemporaryDirectory(prefix="steady-") as workdir:
+        async with fresh_databases(args.db, Path(workdir)) as urls:
+            await run(args.sagas, args.concurrency, urls, drain=not args.no_drain)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("sagas", type=int)
+    parser.add_argument("concurrency", type=int)
+    parser.add_argument("db", nargs="?", default=None, help="omitted: SQLite files")
+    parser.add_argument("--no-drain", action="store_true")
+    asyncio.run(_main(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    main()
