@@ -3,7 +3,8 @@
 Why: on this kind of machine the wall clock of the same run moves by a third between runs
 (the virtual machine's neighbours), so a change worth 5 % needs many alternating pairs of
 ``agent-txn bench`` to show. ``valgrind --tool=callgrind`` counts the instructions the process
-executes instead, which repeat to within 0.05 % for the same code and inputs. This module runs
+executes instead: two runs of the same code agree to about 1 % per saga (run a changed tree once
+first: compiling its modules is counted too). This module runs
 exactly the work the bench measures in-process — a warm-up of 30 order sagas, then N sagas
 with C in flight on the memory provider, then the drain — and nothing time-based (no driver
 loop, no DBOS), so that::

@@ -815,7 +815,7 @@ async def due(
     stmt = (
         select(table)
         .where(
-            effects_unsettled(table),  # as ``ix_<table>_due`` says it (schema.literal_in)
+            effects_unsettled(table),  # as ``ix_<table>_due`` says it (schema.one_of_literals)
             or_(table.c.state != EffectState.EXECUTING.value, table.c.lease_until <= now),
             or_(table.c.next_attempt_at.is_(None), table.c.next_attempt_at <= now),
         )

@@ -66,7 +66,7 @@ _EFFECT_STATES = ", ".join(f"'{s.value}'" for s in EffectState)
 RETIRED = (TxState.FAILED, TxState.COMPENSATED)
 
 
-def literal_in(column: ColumnElement[str], values: Iterable[StrEnum]) -> ColumnElement[bool]:
+def one_of_literals(column: ColumnElement[str], values: Iterable[StrEnum]) -> ColumnElement[bool]:
     """``column = 'a' OR column = 'b' …``: membership in a fixed set of states, with the values
     written into the SQL (sorted), not bound, and as equalities, not ``IN (…)``.
 
@@ -88,7 +88,7 @@ def literal_in(column: ColumnElement[str], values: Iterable[StrEnum]) -> ColumnE
 
 def _live(column: ColumnElement[str]) -> ColumnElement[bool]:
     """Neither failed nor compensated: the transaction still holds its business key. As
-    inequalities, not ``NOT IN``, for the reason :func:`literal_in` gives."""
+    inequalities, not ``NOT IN``, for the reason :func:`one_of_literals` gives."""
     return and_(*(column != literal_column(f"'{s.value}'") for s in RETIRED))
 
 
@@ -151,7 +151,7 @@ def transactions_live() -> ColumnElement[bool]:
 def transactions_due() -> ColumnElement[bool]:
     """A transaction a recovery pass may pick up (in flight), as the queries for due work write
     it: literal equalities, read through ``ix_transactions_status_next``."""
-    return literal_in(transactions.c.status, RESUMABLE)
+    return one_of_literals(transactions.c.status, RESUMABLE)
 
 
 def _effect_columns() -> list[Column[Any]]:
@@ -232,7 +232,7 @@ Index("ix_compensation_steps_tx", compensation_steps.c.tx_id)
 def effects_unsettled(table: Table) -> ColumnElement[bool]:
     """The condition of ``ix_<table>_due``: an effect not yet settled (pending, executing or in
     doubt), i.e. one a recovery pass may claim."""
-    return literal_in(table.c.state, CLAIMABLE)
+    return one_of_literals(table.c.state, CLAIMABLE)
 
 
 # Due effects in the order a recovery pass reads them, holding only unsettled ones (settled

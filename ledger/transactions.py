@@ -452,7 +452,7 @@ class ClaimedTx:
 
 def _due_condition(now: ColumnElement[int]) -> list[ColumnElement[bool]]:
     return [
-        # In-flight statuses as literal equalities (schema.literal_in), read through
+        # In-flight statuses as literal equalities (schema.one_of_literals), read through
         # ``ix_transactions_status_next``.
         transactions_due(),
         or_(transactions.c.lease_until.is_(None), transactions.c.lease_until <= now),
@@ -558,8 +558,9 @@ async def due(conn: AsyncConnection, now: ColumnElement[int], *, limit: int = 10
 
 
 async def count_resumable(conn: AsyncConnection) -> int:
-    """Transactions in flight (a recovery pass may pick them up): read from the partial index
-    that holds only those, so the count costs the work in hand, not the history."""
+    """Transactions in flight (a recovery pass may pick them up), counted through
+    ``ix_transactions_status_next`` on their four statuses: the count costs the work in hand,
+    not the history."""
     stmt = select(func.count()).select_from(transactions).where(transactions_due())
     return int((await conn.execute(stmt)).scalar_one())
 

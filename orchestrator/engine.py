@@ -840,7 +840,7 @@ class Orchestrator:
     async def in_flight(self) -> int:
         """Transactions not yet terminal or parked, plus outbox events not yet settled."""
         # In flight: prepared, executing, validating or compensating (not terminal, parked or
-        # staged), each count read from the partial index holding only such rows.
+        # staged). Both counts read index entries of in-flight rows only.
         async with self.store.read() as conn:
             resumable = await transactions.count_resumable(conn)
             unsettled = await effects.count_unsettled(conn, EffectKind.OUTBOX)

@@ -23,6 +23,7 @@ import os
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy.engine import make_url
@@ -68,18 +69,24 @@ def pg_admin_url() -> str:
     return os.environ.get("AGENT_TXN_TEST_PG_URL", DEFAULT_PG_URL)
 
 
-async def _pg_execute(sql: str) -> None:
+async def pg_connect(url: str) -> Any:
+    """A raw asyncpg connection to the database a SQLAlchemy ``url`` names (its host, port,
+    user and password)."""
     import asyncpg
 
-    url = make_url(pg_admin_url())
-    conn = await asyncpg.connect(
-        host=url.host or "127.0.0.1",
-        port=url.port or 5432,
-        user=url.username or "postgres",
-        password=url.password,
-        database=url.database or "postgres",
+    parsed = make_url(url)
+    return await asyncpg.connect(
+        host=parsed.host or "127.0.0.1",
+        port=parsed.port or 5432,
+        user=parsed.username or "postgres",
+        password=parsed.password,
+        database=parsed.database or "postgres",
         timeout=5,
     )
+
+
+async def _pg_execute(sql: str) -> None:
+    conn = await pg_connect(pg_admin_url())
     try:
         await conn.execute(sql)
     finally:

@@ -10,7 +10,7 @@ Create Date: 2026-12-03
   compensation steps and the outbox. A recovery pass reads due effects in that order; a settled
   effect leaves the index (the happy path's last update of an effect removes its entry instead
   of moving it), so the index is the size of the work in hand, not of the history. The queries
-  write the same condition literally (``ledger.schema.literal_in``), which is what lets
+  write the same condition literally (``ledger.schema.one_of_literals``), which is what lets
   SQLite, and PostgreSQL's generic plans, prove the index applies.
 * ``uq_transactions_business_key_live`` is made again with ``status != 'failed' AND status !=
   'compensated'`` in place of ``status NOT IN ('failed', 'compensated')``. SQLite evaluates a
@@ -49,7 +49,7 @@ depends_on: str | Sequence[str] | None = None
 
 EFFECT_TABLES = ("operations", "compensation_steps", "outbox")
 # Literal on purpose: a migration is a fixed point in history, not today's state sets. Written
-# as the schema writes them (``ledger.schema.literal_in``): equalities, not ``IN (…)``.
+# as the schema writes them (``ledger.schema.one_of_literals``): equalities, not ``IN (…)``.
 UNSETTLED = "state = 'executing' OR state = 'pending' OR state = 'unknown'"
 LIVE_KEY = "business_key IS NOT NULL AND status != 'failed' AND status != 'compensated'"
 LIVE_KEY_0001 = "business_key IS NOT NULL AND status NOT IN ('failed', 'compensated')"
