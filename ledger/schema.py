@@ -10,6 +10,8 @@ Conventions that hold for every table:
   repository (:mod:`ledger.effects`) serves all three.
 * CHECK constraints make the database refuse impossible shapes too: an ``executing`` row has an
   owner, a lease and a fence; a ``pending`` row has no owner; a ``confirmed`` row has a remote id.
+  SQLite has one CHECK per rule; PostgreSQL one per table, calling a PL/pgSQL function that
+  checks the same rules and names the one a row breaks (migration 0006 says why).
 * ``ledger.detail`` is the canonical JSON *text*, not a JSON column: the hash chain is computed over
   exact bytes, and JSONB would re-serialise them.
 
@@ -101,6 +103,26 @@ saga_definitions = Table(
     Column("created_at", BigInteger, nullable=False),
 )
 
+#: Names of the CHECK constraints each backend has by design (Alembic's comparison and the
+#: schema test read these; the metadata marks them with ``ddl_if``). On SQLite every rule is
+#: its own CHECK; on PostgreSQL migration 0006 put each table's rules in one CHECK calling a
+#: PL/pgSQL function (``ck_<table>_rules``), which raises naming the rule that failed, because
+#: PostgreSQL reads every CHECK back from its stored text for each statement that writes.
+#: Filled as the tables below are defined.
+SQLITE_ONLY_CHECKS: set[str] = set()
+POSTGRESQL_ONLY_CHECKS: set[str] = set()
+
+
+def _row_rules(table: str, rules: list[CheckConstraint], postgresql: str) -> list[CheckConstraint]:
+    """``rules`` as separate CHECKs on SQLite, and ``postgresql`` (a function call that checks
+    them all) as the one CHECK ``ck_<table>_rules`` on PostgreSQL."""
+    for rule in rules:
+        rule.ddl_if(dialect="sqlite")
+        SQLITE_ONLY_CHECKS.add(f"ck_{table}_{rule.name}")
+    POSTGRESQL_ONLY_CHECKS.add(f"ck_{table}_rules")
+    return [*rules, CheckConstraint(postgresql, name="rules").ddl_if(dialect="postgresql")]
+
+
 transactions = Table(
     "transactions",
     metadata,
@@ -126,10 +148,16 @@ transactions = Table(
     Column("context", Json, nullable=True),
     Column("created_at", BigInteger, nullable=False),
     Column("updated_at", BigInteger, nullable=False),
-    # On SQLite, migration 0005 stores this (and the effects' ``state`` check) as ``OR``-ed
-    # equalities, the same set: an ``IN`` list cost a temporary b-tree on every write.
-    CheckConstraint(f"status IN ({_TX_STATES})", name="status"),
-    CheckConstraint("fence >= 0", name="fence"),
+    *_row_rules(
+        "transactions",
+        # On SQLite, migration 0005 stores this (and the effects' ``state`` check) as ``OR``-ed
+        # equalities, the same set: an ``IN`` list cost a temporary b-tree on every write.
+        [
+            CheckConstraint(f"status IN ({_TX_STATES})", name="status"),
+            CheckConstraint("fence >= 0", name="fence"),
+        ],
+        "agent_txn_transaction_row_ok('transactions', status, fence)",
+    ),
 )
 # A business intent has at most one live transaction: two idempotency keys for order 42 cannot
 # both charge it. Failed and compensated attempts are retired and no longer hold the key.
@@ -178,18 +206,24 @@ def _effect_columns() -> list[Column[Any]]:
     ]
 
 
-def _effect_checks() -> list[CheckConstraint]:
-    return [
-        CheckConstraint(f"state IN ({_EFFECT_STATES})", name="state"),
-        CheckConstraint(
-            "state <> 'executing' OR (lease_owner IS NOT NULL AND lease_until IS NOT NULL"
-            " AND fence > 0)",
-            name="executing_has_lease",
-        ),
-        CheckConstraint("state <> 'pending' OR lease_owner IS NULL", name="pending_unowned"),
-        CheckConstraint("state <> 'confirmed' OR remote_id IS NOT NULL", name="confirmed_has_id"),
-        CheckConstraint("fence >= 0", name="fence"),
-    ]
+def _effect_checks(table: str) -> list[CheckConstraint]:
+    return _row_rules(
+        table,
+        [
+            CheckConstraint(f"state IN ({_EFFECT_STATES})", name="state"),
+            CheckConstraint(
+                "state <> 'executing' OR (lease_owner IS NOT NULL AND lease_until IS NOT NULL"
+                " AND fence > 0)",
+                name="executing_has_lease",
+            ),
+            CheckConstraint("state <> 'pending' OR lease_owner IS NULL", name="pending_unowned"),
+            CheckConstraint(
+                "state <> 'confirmed' OR remote_id IS NOT NULL", name="confirmed_has_id"
+            ),
+            CheckConstraint("fence >= 0", name="fence"),
+        ],
+        f"agent_txn_effect_row_ok('{table}', state, lease_owner, lease_until, fence, remote_id)",
+    )
 
 
 operations = Table(
@@ -199,7 +233,7 @@ operations = Table(
     Column("tx_id", String(64), ForeignKey("transactions.tx_id"), nullable=False),
     Column("step", String(100), nullable=False),
     *_effect_columns(),
-    *_effect_checks(),
+    *_effect_checks("operations"),
     UniqueConstraint("tx_id", "step"),
 )
 
@@ -211,7 +245,7 @@ compensation_steps = Table(
     Column("forward_op_key", String(64), ForeignKey("operations.op_key"), nullable=False),
     Column("step", String(100), nullable=False),  # the forward step's name
     *_effect_columns(),
-    *_effect_checks(),
+    *_effect_checks("compensation_steps"),
     UniqueConstraint("forward_op_key"),  # exactly one reversal per forward op
 )
 
@@ -222,7 +256,7 @@ outbox = Table(
     Column("tx_id", String(64), ForeignKey("transactions.tx_id"), nullable=False),
     Column("kind", String(100), nullable=False),  # the event's name in the saga definition
     *_effect_columns(),
-    *_effect_checks(),
+    *_effect_checks("outbox"),
     UniqueConstraint("tx_id", "kind"),
 )
 # operations and outbox are found by tx through their unique (tx_id, …) keys already.
@@ -275,8 +309,13 @@ POSTGRESQL_ONLY_INDEXES = frozenset(
 
 def exists_on(dialect: str, kind: str, name: str | None) -> bool:
     """Whether an object of :data:`metadata` exists on that backend, for Alembic's
-    ``include_object`` (its comparison does not read ``Index.ddl_if``)."""
-    return not (kind == "index" and dialect != "postgresql" and name in POSTGRESQL_ONLY_INDEXES)
+    ``include_object`` and the schema tests (neither reads ``ddl_if``)."""
+    if kind == "index":
+        return dialect == "postgresql" or name not in POSTGRESQL_ONLY_INDEXES
+    if kind == "check_constraint":
+        only = POSTGRESQL_ONLY_CHECKS if dialect == "sqlite" else SQLITE_ONLY_CHECKS
+        return name not in only
+    return True
 
 
 EFFECT_TABLES = {"operation": operations, "compensation": compensation_steps, "outbox": outbox}

@@ -15,6 +15,8 @@ on begin). ``store`` uses the real engine factory, :func:`ledger.dialects.create
 from __future__ import annotations
 
 import asyncio
+import importlib.util
+import re
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -200,14 +202,23 @@ def _check_names(connection: Connection) -> dict[str, set[str]]:
 
 
 async def test_check_constraints_match_metadata_by_name(engine: AsyncEngine) -> None:
+    dialect = engine.dialect.name
     expected = {
-        name: {str(c.name) for c in table.constraints if isinstance(c, CheckConstraint)}
+        name: {
+            str(c.name)
+            for c in table.constraints
+            if isinstance(c, CheckConstraint)
+            and schema.exists_on(dialect, "check_constraint", str(c.name))
+        }
         for name, table in schema.metadata.tables.items()
     }
     async with engine.connect() as conn:
         actual = await conn.run_sync(_check_names)
     assert actual == expected
-    assert "ck_operations_executing_has_lease" in actual["operations"]
+    if dialect == "sqlite":  # one CHECK per rule
+        assert "ck_operations_executing_has_lease" in actual["operations"]
+    else:  # one CHECK per table, naming the failed rule when it refuses (migration 0006)
+        assert actual["operations"] == {"ck_operations_rules"}
 
 
 def _business_key_index(connection: Connection) -> dict[str, Any]:
@@ -615,7 +626,7 @@ async def test_0005_keeps_rows_and_refusals_and_goes_back(
     event["event_key"], event["kind"] = event.pop("op_key"), event.pop("step")
     await _insert(eng, schema.outbox, event)
 
-    await migrate.upgrade(eng)
+    await migrate.upgrade(eng, "0005")
     async with eng.connect() as conn:
         assert "ix_operations_due" in await conn.run_sync(_index_names, "operations")
         assert "ix_operations_state_next" not in await conn.run_sync(_index_names, "operations")
@@ -649,3 +660,141 @@ async def test_0005_keeps_rows_and_refusals_and_goes_back(
             assert "state IN ('pending'" in stored["outbox"]
     with pytest.raises(IntegrityError):
         await _insert(eng, schema.operations, _op_row("op3", state="exploded"))
+
+
+# -- 0006: PostgreSQL checks each table's row rules with one CHECK -------------------------------
+
+
+def _load_migration(filename: str) -> Any:
+    path = migrate.MIGRATIONS_DIR / "versions" / filename
+    spec = importlib.util.spec_from_file_location(f"agent_txn_migration_{path.stem}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_MIGRATION_0006 = _load_migration("0006_pg_row_rules_in_one_check.py")
+
+#: Every value each effect rule of migration 0001 reads, with one bad state and one bad fence.
+_EFFECT_COLUMN_VALUES: dict[str, list[Any]] = {
+    "state": [*_MIGRATION_0006.EFFECT_STATES, "exploded"],
+    "lease_owner": [None, "w1"],
+    "lease_until": [None, 10],
+    "fence": [-1, 0, 1],
+    "remote_id": [None, "r-1"],
+}
+
+
+def _combinations() -> list[dict[str, Any]]:
+    combos: list[dict[str, Any]] = [{}]
+    for column, values in _EFFECT_COLUMN_VALUES.items():
+        combos = [{**combo, column: value} for combo in combos for value in values]
+    return combos
+
+
+async def _rules_broken(conn: Any, row: dict[str, Any]) -> list[str]:
+    """The effect rules of migration 0001 that ``row`` breaks, as the database itself evaluates
+    their SQL (a CHECK passes when its condition is NULL)."""
+    broken = []
+    for rule, condition in _MIGRATION_0006.EFFECT_RULES_0001:
+        verdict = await conn.scalar(
+            text(
+                f"SELECT CASE WHEN NOT ({condition}) THEN 1 ELSE 0 END FROM (SELECT"
+                " CAST(:state AS VARCHAR(32)) AS state,"
+                " CAST(:lease_owner AS VARCHAR(128)) AS lease_owner,"
+                " CAST(:lease_until AS BIGINT) AS lease_until,"
+                " CAST(:fence AS BIGINT) AS fence,"
+                " CAST(:remote_id AS VARCHAR(256)) AS remote_id) AS r"
+            ),
+            row,
+        )
+        if verdict == 1:
+            broken.append(rule)
+    return broken
+
+
+async def _refusals(eng: AsyncEngine) -> list[tuple[dict[str, Any], list[str], str | None]]:
+    """For every combination: the rules it breaks, and the constraint the insert's refusal
+    named (``None``: the row was accepted)."""
+    out = []
+    for number, combo in enumerate(_combinations()):
+        async with eng.connect() as conn:
+            broken = await _rules_broken(conn, combo)
+        try:
+            await _insert(eng, schema.operations, _op_row(f"combo{number}", **combo))
+            named = None
+        except IntegrityError as exc:
+            message = str(exc.orig)
+            named = next(
+                (
+                    rule
+                    for rule, _ in _MIGRATION_0006.EFFECT_RULES_0001
+                    if re.search(rf"\bck_operations_{rule}\b", message)
+                ),
+                message,  # not a rule's name: the assertion shows the whole message
+            )
+        out.append((combo, broken, named))
+    return out
+
+
+async def _check_conditions(eng: AsyncEngine, table: str) -> dict[str, str]:
+    async with eng.connect() as conn:
+        checks = await conn.run_sync(lambda c: inspect(c).get_check_constraints(table))
+    return {str(ck["name"]): str(ck["sqltext"]) for ck in checks}
+
+
+async def test_0006_refuses_exactly_what_the_rules_refused_and_goes_back(
+    make_engine: EngineFactory, backend: str
+) -> None:
+    eng = make_engine("recipe" if backend == "sqlite" else "store")
+    await migrate.upgrade(eng, "0005")
+    await _seed_tx(eng, "tx1")
+    await _insert(eng, schema.operations, _op_row("kept", state="confirmed", remote_id="r-1"))
+    before = {t: await _check_conditions(eng, t) for t in ("operations", "transactions")}
+
+    await migrate.upgrade(eng, "0006")
+    after = {t: await _check_conditions(eng, t) for t in ("operations", "transactions")}
+    if backend == "sqlite":
+        assert after == before  # SQLite keeps one CHECK per rule
+    else:
+        assert set(after["operations"]) == {"ck_operations_rules"}
+        assert "agent_txn_effect_row_ok('operations'" in after["operations"]["ck_operations_rules"]
+        assert set(after["transactions"]) == {"ck_transactions_rules"}
+    async with eng.connect() as conn:
+        kept = (await conn.execute(select(schema.operations.c.op_key))).scalars().all()
+    assert kept == ["kept"]
+
+    # Every combination of the columns the rules read: accepted exactly when no rule of 0001
+    # (evaluated as SQL by the same database) is broken, else refused naming a broken rule —
+    # on PostgreSQL the first in the function's order.
+    results = await _refusals(eng)
+    assert len(results) == 192
+    for combo, broken, named in results:
+        if not broken:
+            assert named is None, (combo, named)
+        elif backend == "sqlite":
+            assert named in broken, (combo, broken, named)
+        else:
+            assert named == broken[0], (combo, broken, named)
+    assert sum(1 for _, broken, _ in results if not broken) > 0  # both outcomes were exercised
+
+    if backend == "postgresql":  # the refusal carries the rule's name where drivers look for it
+        with pytest.raises(IntegrityError) as excinfo:
+            await _seed_tx(eng, "tx_bad", fence=-1)
+        cause = excinfo.value.orig.__cause__  # type: ignore[union-attr]
+        assert getattr(cause, "constraint_name", None) == "ck_transactions_fence"
+        assert getattr(cause, "table_name", None) == "transactions"
+        assert getattr(cause, "sqlstate", None) == "23514"
+
+    await migrate.downgrade(eng, "0005")
+    assert {t: await _check_conditions(eng, t) for t in ("operations", "transactions")} == before
+    if backend == "postgresql":
+        async with eng.connect() as conn:
+            left = await conn.scalar(
+                text("SELECT count(*) FROM pg_proc WHERE proname LIKE 'agent_txn_%'")
+            )
+        assert left == 0
+    with pytest.raises(IntegrityError) as excinfo:
+        await _insert(eng, schema.operations, _op_row("after", state="pending", lease_owner="w"))
+    assert "ck_operations_pending_unowned" in str(excinfo.value)
