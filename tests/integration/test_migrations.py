@@ -15,7 +15,6 @@ on begin). ``store`` uses the real engine factory, :func:`ledger.dialects.create
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import re
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
@@ -29,6 +28,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from ledger import dialects, migrate, schema
 from ledger.errors import SchemaOutdated
+from ledger.states import EffectState
 
 if TYPE_CHECKING:
     from tests.conftest import DbUrls
@@ -665,20 +665,12 @@ async def test_0005_keeps_rows_and_refusals_and_goes_back(
 # -- 0006: PostgreSQL checks each table's row rules with one CHECK -------------------------------
 
 
-def _load_migration(filename: str) -> Any:
-    path = migrate.MIGRATIONS_DIR / "versions" / filename
-    spec = importlib.util.spec_from_file_location(f"agent_txn_migration_{path.stem}", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-_MIGRATION_0006 = _load_migration("0006_pg_row_rules_in_one_check.py")
+#: The effect rules, in the order migration 0006's function tests them.
+_EFFECT_RULES = ("state", "executing_has_lease", "pending_unowned", "confirmed_has_id", "fence")
 
 #: Every value each effect rule of migration 0001 reads, with one bad state and one bad fence.
 _EFFECT_COLUMN_VALUES: dict[str, list[Any]] = {
-    "state": [*_MIGRATION_0006.EFFECT_STATES, "exploded"],
+    "state": [*(state.value for state in EffectState), "exploded"],
     "lease_owner": [None, "w1"],
     "lease_until": [None, 10],
     "fence": [-1, 0, 1],
@@ -693,11 +685,12 @@ def _combinations() -> list[dict[str, Any]]:
     return combos
 
 
-async def _rules_broken(conn: Any, row: dict[str, Any]) -> list[str]:
-    """The effect rules of migration 0001 that ``row`` breaks, as the database itself evaluates
-    their SQL (a CHECK passes when its condition is NULL)."""
+async def _rules_broken(conn: Any, row: dict[str, Any], rules: dict[str, str]) -> list[str]:
+    """The rules (name → CHECK condition, as the database stored it) that ``row`` breaks, as
+    the database itself evaluates them (a CHECK passes when its condition is NULL)."""
     broken = []
-    for rule, condition in _MIGRATION_0006.EFFECT_RULES_0001:
+    for rule in _EFFECT_RULES:
+        condition = rules[f"ck_operations_{rule}"]
         verdict = await conn.scalar(
             text(
                 f"SELECT CASE WHEN NOT ({condition}) THEN 1 ELSE 0 END FROM (SELECT"
@@ -714,13 +707,15 @@ async def _rules_broken(conn: Any, row: dict[str, Any]) -> list[str]:
     return broken
 
 
-async def _refusals(eng: AsyncEngine) -> list[tuple[dict[str, Any], list[str], str | None]]:
-    """For every combination: the rules it breaks, and the constraint the insert's refusal
+async def _refusals(
+    eng: AsyncEngine, rules: dict[str, str]
+) -> list[tuple[dict[str, Any], list[str], str | None]]:
+    """For every combination: the ``rules`` it breaks, and the constraint the insert's refusal
     named (``None``: the row was accepted)."""
     out = []
     for number, combo in enumerate(_combinations()):
         async with eng.connect() as conn:
-            broken = await _rules_broken(conn, combo)
+            broken = await _rules_broken(conn, combo, rules)
         try:
             await _insert(eng, schema.operations, _op_row(f"combo{number}", **combo))
             named = None
@@ -729,7 +724,7 @@ async def _refusals(eng: AsyncEngine) -> list[tuple[dict[str, Any], list[str], s
             named = next(
                 (
                     rule
-                    for rule, _ in _MIGRATION_0006.EFFECT_RULES_0001
+                    for rule in _EFFECT_RULES
                     if re.search(rf"\bck_operations_{rule}\b", message)
                 ),
                 message,  # not a rule's name: the assertion shows the whole message
@@ -765,10 +760,10 @@ async def test_0006_refuses_exactly_what_the_rules_refused_and_goes_back(
         kept = (await conn.execute(select(schema.operations.c.op_key))).scalars().all()
     assert kept == ["kept"]
 
-    # Every combination of the columns the rules read: accepted exactly when no rule of 0001
-    # (evaluated as SQL by the same database) is broken, else refused naming a broken rule —
-    # on PostgreSQL the first in the function's order.
-    results = await _refusals(eng)
+    # Every combination of the columns the rules read: accepted exactly when no rule is broken
+    # — the rules as this database stored them before 0006, evaluated by it — else refused
+    # naming a broken rule (on PostgreSQL the first in the function's order).
+    results = await _refusals(eng, before["operations"])
     assert len(results) == 192
     for combo, broken, named in results:
         if not broken:

@@ -15,13 +15,14 @@ with callgrind on the server (``docs/benchmarks.md``, item 35): **1.46 M of the 
 short node to read back, and PL/pgSQL keeps the function compiled for the session; with one
 such ``CHECK`` per table the server's instructions per saga fell by about a fifth.
 
-The rules are exactly those of migration 0001, evaluated in the same SQL (the test compares the
-two over every combination of the columns they read), and a violation still names the rule that
-failed: the function raises ``check_violation`` (SQLSTATE 23514, so the driver still raises an
-integrity error) with PostgreSQL's own wording, ``new row for relation "operations" violates
-check constraint "ck_operations_executing_has_lease"``, and that name in the error's constraint
-field. Like PostgreSQL's own message for a ``CHECK``, it echoes no value from the row. When a row
-breaks several rules, the first in the order below is named.
+The rules are those of migration 0001: the function tests ``NOT (<condition>)`` for each of
+0001's CHECK conditions, text for text (the test compares the refusals with those of the stored
+0001 constraints over every combination of the columns they read). A violation still names the
+rule that failed: the function raises ``check_violation`` (SQLSTATE 23514, so the driver still
+raises an integrity error) with PostgreSQL's own wording, ``new row for relation "operations"
+violates check constraint "ck_operations_executing_has_lease"``, and that name in the error's
+constraint field. Unlike PostgreSQL's own refusal (its detail lists the failing row), it echoes
+no value from the row. When a row breaks several rules, the first in the order below is named.
 
 The functions are ``IMMUTABLE``: they read only their arguments, as a ``CHECK`` must. They are
 created in the schema the tables are in (the migration's ``search_path``); the constraints refer
@@ -91,8 +92,7 @@ TX_RULES_0001 = (
     ("fence", "fence >= 0"),
 )
 
-# Each IF tests the negation of one rule above, with SQL's three-valued logic kept: a CHECK
-# passes when its condition is NULL, and so does a rule here whose condition is NULL.
+# Raised with PostgreSQL's own wording for a CHECK, naming the rule; no value from the row.
 _RAISE = """
     RAISE EXCEPTION USING
         ERRCODE = 'check_violation',
@@ -102,49 +102,39 @@ _RAISE = """
         TABLE = tbl;
 """
 
-EFFECT_FUNCTION = f"""
-CREATE FUNCTION agent_txn_effect_row_ok(
-    tbl text, state text, lease_owner text, lease_until bigint, fence bigint, remote_id text
-) RETURNS boolean LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE AS $fn$
+
+def _rules_function(name: str, params: str, rules: Sequence[tuple[str, str]]) -> str:
+    """A PL/pgSQL function that returns true when a row keeps every rule, and otherwise raises
+    naming the first it breaks. Each test is ``NOT (<the rule's CHECK condition>)``, the very
+    text of migration 0001 (the parameters carry the columns' names), so SQL's three-valued
+    logic is kept: a CHECK passes when its condition is NULL, and so does the rule here."""
+    tests = "\n    ".join(
+        f"{'IF' if i == 0 else 'ELSIF'} NOT ({condition}) THEN rule := '{rule}';"
+        for i, (rule, condition) in enumerate(rules)
+    )
+    return f"""
+CREATE FUNCTION {name}(tbl text, {params})
+RETURNS boolean LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE AS $fn$
 DECLARE
     rule text;
 BEGIN
-    IF NOT (state IN ({_quoted(EFFECT_STATES)})) THEN
-        rule := 'state';
-    ELSIF NOT (state <> 'executing'
-               OR (lease_owner IS NOT NULL AND lease_until IS NOT NULL AND fence > 0)) THEN
-        rule := 'executing_has_lease';
-    ELSIF NOT (state <> 'pending' OR lease_owner IS NULL) THEN
-        rule := 'pending_unowned';
-    ELSIF NOT (state <> 'confirmed' OR remote_id IS NOT NULL) THEN
-        rule := 'confirmed_has_id';
-    ELSIF NOT (fence >= 0) THEN
-        rule := 'fence';
-    ELSE
-        RETURN true;
+    {tests}
+    ELSE RETURN true;
     END IF;
     {_RAISE}
 END
 $fn$
 """
 
-TX_FUNCTION = f"""
-CREATE FUNCTION agent_txn_transaction_row_ok(tbl text, status text, fence bigint)
-RETURNS boolean LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE AS $fn$
-DECLARE
-    rule text;
-BEGIN
-    IF NOT (status IN ({_quoted(TX_STATES)})) THEN
-        rule := 'status';
-    ELSIF NOT (fence >= 0) THEN
-        rule := 'fence';
-    ELSE
-        RETURN true;
-    END IF;
-    {_RAISE}
-END
-$fn$
-"""
+
+EFFECT_FUNCTION = _rules_function(
+    "agent_txn_effect_row_ok",
+    "state text, lease_owner text, lease_until bigint, fence bigint, remote_id text",
+    EFFECT_RULES_0001,
+)
+TX_FUNCTION = _rules_function(
+    "agent_txn_transaction_row_ok", "status text, fence bigint", TX_RULES_0001
+)
 
 
 def effect_rules_check(table: str) -> str:
