@@ -103,23 +103,21 @@ saga_definitions = Table(
     Column("created_at", BigInteger, nullable=False),
 )
 
-#: Names of the CHECK constraints each backend has by design (Alembic's comparison and the
-#: schema test read these; the metadata marks them with ``ddl_if``). On SQLite every rule is
-#: its own CHECK; on PostgreSQL migration 0006 put each table's rules in one CHECK calling a
-#: PL/pgSQL function (``ck_<table>_rules``), which raises naming the rule that failed, because
-#: PostgreSQL reads every CHECK back from its stored text for each statement that writes.
-#: Filled as the tables below are defined.
-SQLITE_ONLY_CHECKS: set[str] = set()
-POSTGRESQL_ONLY_CHECKS: set[str] = set()
+#: Objects of :data:`metadata` that exist on one backend only, by name (each is also marked with
+#: ``ddl_if``, which neither Alembic's comparison nor the schema tests read; :func:`exists_on`
+#: does). Filled as the tables below are defined.
+_ONLY_ON: dict[str, set[str]] = {"sqlite": set(), "postgresql": set()}
 
 
 def _row_rules(table: str, rules: list[CheckConstraint], postgresql: str) -> list[CheckConstraint]:
     """``rules`` as separate CHECKs on SQLite, and ``postgresql`` (a function call that checks
-    them all) as the one CHECK ``ck_<table>_rules`` on PostgreSQL."""
+    them all) as the one CHECK ``ck_<table>_rules`` on PostgreSQL: migration 0006 made it so,
+    because PostgreSQL reads every CHECK back from its stored text for each statement that
+    writes the table."""
     for rule in rules:
         rule.ddl_if(dialect="sqlite")
-        SQLITE_ONLY_CHECKS.add(f"ck_{table}_{rule.name}")
-    POSTGRESQL_ONLY_CHECKS.add(f"ck_{table}_rules")
+        _ONLY_ON["sqlite"].add(f"ck_{table}_{rule.name}")
+    _ONLY_ON["postgresql"].add(f"ck_{table}_rules")
     return [*rules, CheckConstraint(postgresql, name="rules").ddl_if(dialect="postgresql")]
 
 
@@ -296,26 +294,16 @@ ledger = Table(
     # One successor per link: two writers appending to the same chain cannot fork it.
     UniqueConstraint("tx_id", "prev_hash"),
 )
-#: Indexes that exist on PostgreSQL only. ``ix_ledger_tx_seq``: on SQLite ``seq`` is the rowid,
-#: which every entry of the (tx_id, prev_hash) index above already carries (migration 0004 says
-#: why it was dropped there).
-POSTGRESQL_ONLY_INDEXES = frozenset(
-    str(index.name)
-    for index in (
-        Index("ix_ledger_tx_seq", ledger.c.tx_id, ledger.c.seq).ddl_if(dialect="postgresql"),
-    )
-)
+# PostgreSQL only: on SQLite ``seq`` is the rowid, which every entry of the (tx_id, prev_hash)
+# index above already carries (migration 0004 says why it was dropped there).
+Index("ix_ledger_tx_seq", ledger.c.tx_id, ledger.c.seq).ddl_if(dialect="postgresql")
+_ONLY_ON["postgresql"].add("ix_ledger_tx_seq")
 
 
 def exists_on(dialect: str, kind: str, name: str | None) -> bool:
-    """Whether an object of :data:`metadata` exists on that backend, for Alembic's
-    ``include_object`` and the schema tests (neither reads ``ddl_if``)."""
-    if kind == "index":
-        return dialect == "postgresql" or name not in POSTGRESQL_ONLY_INDEXES
-    if kind == "check_constraint":
-        only = POSTGRESQL_ONLY_CHECKS if dialect == "sqlite" else SQLITE_ONLY_CHECKS
-        return name not in only
-    return True
+    """Whether an object of :data:`metadata` (of any ``kind``: names are unique across kinds)
+    exists on that backend, for Alembic's ``include_object`` and the schema tests."""
+    return not any(name in names for other, names in _ONLY_ON.items() if other != dialect)
 
 
 EFFECT_TABLES = {"operation": operations, "compensation": compensation_steps, "outbox": outbox}
