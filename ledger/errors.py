@@ -59,6 +59,12 @@ class SchemaOutdated(StorageError):
     """The database schema is older (or newer) than the migrations this package ships."""
 
 
+class MigrationFailed(SchemaOutdated):
+    """The database refused a statement of a migration (an object of the same name already
+    there, no privilege to create one, ...). The migrations run in one transaction, so none of
+    them was applied: the schema is still outdated."""
+
+
 class StoreBusy(StorageError):
     """Lock contention; the same write may succeed if retried."""
 

@@ -8,8 +8,11 @@
 * :func:`ensure_schema` is what ``Store.open()`` calls: upgrade an empty database, refuse (with
   :class:`~ledger.errors.SchemaOutdated`) one that is behind or ahead of this package.
 
-Nothing here translates driver errors; they propagate to the caller (``ledger.dialects``
-translates them at the store boundary).
+A statement of a migration that the database refuses is raised as
+:class:`~ledger.errors.MigrationFailed`, with the database's one-line reason (names of schema
+objects, never row data): that is an operator's problem to fix, not a bug. Every other driver
+error (a lost connection, a lock held) propagates untranslated (``ledger.dialects`` translates
+them at the store boundary).
 """
 
 from __future__ import annotations
@@ -23,10 +26,11 @@ from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Connection, text
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from ledger.dialects import READ_ONLY_OPTION
-from ledger.errors import SchemaOutdated
+from ledger.dialects import READ_ONLY_OPTION, translate
+from ledger.errors import MigrationFailed, SchemaOutdated, StoreBusy
 
 AutoUpgrade = Literal["empty", "always", "never"]
 
@@ -151,22 +155,50 @@ async def _write_connection(engine: AsyncEngine) -> AsyncConnection:
     return await conn.execution_options(**{READ_ONLY_OPTION: False})
 
 
+def _refused(exc: DBAPIError) -> bool:
+    """Whether the database refused a statement, as opposed to the connection being lost
+    (SQLAlchemy invalidates it) or a lock being held."""
+    return not (exc.connection_invalidated or isinstance(translate(exc), StoreBusy))
+
+
+def _migration_failed(action: str, revision: str, exc: DBAPIError) -> MigrationFailed:
+    # The driver's own exception (asyncpg's, or sqlite3's) carries the server's text alone; for
+    # a migration that is the names of schema objects, never row data.
+    orig = exc.orig
+    driver = orig.__cause__ if orig is not None and orig.__cause__ is not None else orig
+    reason = str(driver).strip().splitlines()[0] if str(driver).strip() else type(driver).__name__
+    return MigrationFailed(
+        f"the database refused the migrations ({action} to {revision}): {reason}; none was "
+        "applied (they run in one transaction)"
+    )
+
+
 async def upgrade(engine: AsyncEngine, revision: str = "head") -> None:
-    """Apply migrations up to ``revision`` in one transaction, serialised across processes."""
+    """Apply migrations up to ``revision`` in one transaction, serialised across processes.
+    Raises :class:`~ledger.errors.MigrationFailed` if the database refuses one of them."""
     conn = await _write_connection(engine)
     try:
         async with conn.begin():
             await conn.run_sync(_upgrade_sync, revision)
+    except DBAPIError as exc:
+        if not _refused(exc):
+            raise
+        raise _migration_failed("upgrade", revision, exc) from exc
     finally:
         await conn.close()
 
 
 async def downgrade(engine: AsyncEngine, revision: str) -> None:
-    """Revert migrations down to ``revision`` (``"base"``: drop everything) in one transaction."""
+    """Revert migrations down to ``revision`` (``"base"``: drop everything) in one transaction.
+    Raises :class:`~ledger.errors.MigrationFailed` if the database refuses one of them."""
     conn = await _write_connection(engine)
     try:
         async with conn.begin():
             await conn.run_sync(_downgrade_sync, revision)
+    except DBAPIError as exc:
+        if not _refused(exc):
+            raise
+        raise _migration_failed("downgrade", revision, exc) from exc
     finally:
         await conn.close()
 

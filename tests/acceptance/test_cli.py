@@ -242,6 +242,26 @@ def test_db_upgrade_needs_an_existing_directory(tmp_path: Path) -> None:
     assert "does not exist" in run.err
 
 
+@pytest.mark.empty_databases
+async def test_db_upgrade_refused_by_the_database_is_one_line(
+    db_urls: DbUrls, tmp_path: Path
+) -> None:
+    # A stray table where the first migration creates its own: the database refuses it.
+    from sqlalchemy import text
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    from ledger.dialects import normalize_url
+
+    engine = create_async_engine(normalize_url(db_urls.store))
+    async with engine.begin() as conn:
+        await conn.execute(text("CREATE TABLE ledger (x INTEGER)"))
+    await engine.dispose()
+    run = cli("db", "upgrade", "--db", db_urls.store, cwd=tmp_path)
+    assert_clean_failure(run)
+    assert "MigrationFailed" in run.err and "ledger" in run.err, run.err
+    assert "none was applied" in run.err
+
+
 def test_ledger_verify_detects_tampering(demo_dir: Path, tmp_path: Path) -> None:
     copy = tmp_path / "tampered.db"
     shutil.copy(demo_dir / "agent.db", copy)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -27,7 +27,7 @@ from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from ledger import dialects, migrate, schema
-from ledger.errors import SchemaOutdated
+from ledger.errors import MigrationFailed, SchemaOutdated
 from ledger.states import EffectState
 
 if TYPE_CHECKING:
@@ -193,12 +193,17 @@ async def test_migrated_schema_matches_metadata(engine: AsyncEngine) -> None:
     assert diff == []
 
 
-def _check_names(connection: Connection) -> dict[str, set[str]]:
+def _checks(connection: Connection, tables: Iterable[str]) -> dict[str, dict[str, str]]:
+    """Per table, its CHECK constraints as the database holds them: name → condition."""
     inspector = inspect(connection)
     return {
-        table: {str(ck["name"]) for ck in inspector.get_check_constraints(table)}
-        for table in schema.metadata.tables
+        table: {str(c["name"]): str(c["sqltext"]) for c in inspector.get_check_constraints(table)}
+        for table in tables
     }
+
+
+def _check_names(connection: Connection) -> dict[str, set[str]]:
+    return {t: set(checks) for t, checks in _checks(connection, schema.metadata.tables).items()}
 
 
 async def test_check_constraints_match_metadata_by_name(engine: AsyncEngine) -> None:
@@ -537,8 +542,12 @@ async def test_failed_upgrade_leaves_nothing_behind(
     # A stray table in the way of the last CREATE TABLE: the migration fails half-way ...
     async with eng.begin() as conn:
         await conn.execute(text("CREATE TABLE ledger (x INTEGER)"))
-    with pytest.raises(DBAPIError):
+    with pytest.raises(MigrationFailed) as excinfo:
         await migrate.upgrade(eng)
+    # ... named as such, with the database's reason (SQLite: "table ledger already exists";
+    # PostgreSQL: 'relation "ledger" already exists') ...
+    assert "ledger" in str(excinfo.value) and "already exists" in str(excinfo.value)
+    assert isinstance(excinfo.value.__cause__, DBAPIError)
     # ... and, being one transaction, leaves no table and no version row behind.
     assert await _tables(eng) == {"ledger"}
     assert await migrate.current_revision(eng) is None
@@ -733,10 +742,9 @@ async def _refusals(
     return out
 
 
-async def _check_conditions(eng: AsyncEngine, table: str) -> dict[str, str]:
+async def _check_conditions(eng: AsyncEngine) -> dict[str, dict[str, str]]:
     async with eng.connect() as conn:
-        checks = await conn.run_sync(lambda c: inspect(c).get_check_constraints(table))
-    return {str(ck["name"]): str(ck["sqltext"]) for ck in checks}
+        return await conn.run_sync(_checks, ("operations", "transactions"))
 
 
 async def test_0006_refuses_exactly_what_the_rules_refused_and_goes_back(
@@ -746,10 +754,10 @@ async def test_0006_refuses_exactly_what_the_rules_refused_and_goes_back(
     await migrate.upgrade(eng, "0005")
     await _seed_tx(eng, "tx1")
     await _insert(eng, schema.operations, _op_row("kept", state="confirmed", remote_id="r-1"))
-    before = {t: await _check_conditions(eng, t) for t in ("operations", "transactions")}
+    before = await _check_conditions(eng)
 
     await migrate.upgrade(eng, "0006")
-    after = {t: await _check_conditions(eng, t) for t in ("operations", "transactions")}
+    after = await _check_conditions(eng)
     if backend == "sqlite":
         assert after == before  # SQLite keeps one CHECK per rule
     else:
@@ -783,7 +791,7 @@ async def test_0006_refuses_exactly_what_the_rules_refused_and_goes_back(
         assert getattr(cause, "sqlstate", None) == "23514"
 
     await migrate.downgrade(eng, "0005")
-    assert {t: await _check_conditions(eng, t) for t in ("operations", "transactions")} == before
+    assert await _check_conditions(eng) == before
     if backend == "postgresql":
         async with eng.connect() as conn:
             left = await conn.scalar(
@@ -793,3 +801,26 @@ async def test_0006_refuses_exactly_what_the_rules_refused_and_goes_back(
     with pytest.raises(IntegrityError) as excinfo:
         await _insert(eng, schema.operations, _op_row("after", state="pending", lease_owner="w"))
     assert "ck_operations_pending_unowned" in str(excinfo.value)
+
+
+async def test_0006_refused_leaves_0005_and_says_why(
+    make_engine: EngineFactory, backend: str
+) -> None:
+    eng = make_engine("recipe" if backend == "sqlite" else "store")
+    await migrate.upgrade(eng, "0005")
+    if backend == "sqlite":  # 0006 changes nothing on SQLite: nothing there to refuse
+        await migrate.upgrade(eng)
+        assert await migrate.current_revision(eng) == "0006"
+        return
+    async with eng.begin() as conn:  # someone else's function where 0006 creates its own
+        await conn.execute(
+            text(
+                "CREATE FUNCTION agent_txn_transaction_row_ok(tbl text, status text, fence bigint)"
+                " RETURNS boolean LANGUAGE sql AS 'SELECT true'"
+            )
+        )
+    with pytest.raises(MigrationFailed) as excinfo:
+        await migrate.upgrade(eng)
+    assert "agent_txn_transaction_row_ok" in str(excinfo.value)
+    assert await migrate.current_revision(eng) == "0005"
+    assert "ck_operations_state" in (await _check_conditions(eng))["operations"]
