@@ -24,9 +24,11 @@ Each member's transaction stays its own in every outcome that matters:
   transaction whose connection drops during its commit does. What was committed is durable
   and recovery reads it back.
 
-Members wait on futures; the member that sent a batch hands the next one (everyone who queued
-meanwhile) to the first of them, which sends it on its own connection. A member cancelled while
-queued leaves the queue; one cancelled just as the batch was handed to it passes it on.
+Members wait on futures. The member that sent a batch, once its own writes are committed, sends
+the next one (everyone who queued meanwhile) itself, on its own connection, at once; what queues
+during that second batch it hands to the first of those members, which sends it on its own
+connection. A member cancelled while queued leaves the queue; one cancelled just as the batch
+was handed to it passes it on.
 """
 
 from __future__ import annotations
@@ -115,29 +117,71 @@ class GroupSender:
     ) -> bool:
         # A member cancelled while it queued has left: its writes are not sent.
         others = [m for m in batch if m is not me and not m.woken.done()]
+        try:
+            committed = await self._send_batch(driver, sql, me, others)
+            if committed:
+                await self._send_queued(driver, sql, shape)
+            return committed
+        finally:
+            self._hand_off(shape)
+
+    async def _send_queued(self, driver: asyncpg.Connection, sql: str, shape: _Shape) -> None:
+        """Send, on the leader's connection, what queued while its own batch was in flight.
+
+        Why: handing the queue to one of its members costs a turn of the event loop before that
+        member's task runs and sends it, and with many sagas in flight a turn is long; the
+        leader's connection is free and the leader is running now. The queue then leaves at once,
+        and in a larger batch, which on PostgreSQL costs less of both sides' CPU per member than
+        several smaller ones (``docs/benchmarks.md``, item 36). Once only: whatever queues during
+        this batch is handed off as before, so a leader waits at most one extra round trip — its
+        own writes are already committed. If this batch's outcome is unknown (the connection
+        failed, or the leader was cancelled), the members fail as unavailable and the leader
+        raises too: its own commit is durable, and reporting it as unknown is the conservative
+        answer that recovery settles by reading it back."""
+        queued = [m for m in shape.waiting if not m.woken.done()]
+        shape.waiting = []
+        if queued:
+            await self._send_batch(driver, sql, None, queued)
+
+    async def _send_batch(
+        self,
+        driver: asyncpg.Connection,
+        sql: str,
+        leader: _Member | None,
+        members: list[_Member],
+    ) -> bool:
+        """Send ``leader``'s arguments (if any) and ``members``' in one implicit transaction and
+        resolve every member's future with the outcome. ``True``: committed. ``False``: the
+        server refused the batch and nothing of it was committed (each member resends alone).
+        The leader's own statement refused with nobody beside it raises its own error; an
+        unknown outcome raises."""
+        rows = (
+            [m.args for m in members]
+            if leader is None
+            else [leader.args, *(m.args for m in members)]
+        )
         committed: bool | None = True  # None: unknown
         try:
-            if others:
-                await driver.executemany(sql, [me.args, *(m.args for m in others)])
-                self._grouped(len(others))
+            if len(rows) > 1:
+                await driver.executemany(sql, rows)
+                self._grouped(len(rows) - 1)
             else:
-                await driver.execute(sql, *me.args)
+                await driver.execute(sql, *rows[0])
         except asyncpg.PostgresError:
-            if not others:
+            if leader is not None and not members:
                 raise  # alone: its own error, handled by the caller as any statement's
             committed = False  # nothing committed: each member resends alone
         except BaseException:
             committed = None
             raise
         finally:
-            for m in others:
+            for m in members:
                 if not m.woken.done():
                     m.woken.set_result(
                         StoreUnavailable("the grouped commit's connection failed: outcome unknown")
                         if committed is None
                         else committed
                     )
-            self._hand_off(shape)
         return bool(committed)
 
     @staticmethod

@@ -18,26 +18,42 @@ OTHER_SQL = "WITH w0 AS (UPDATE ...) SELECT c0"
 
 
 class HeldDriver:
-    """Each call waits until the test releases it; ``fail`` makes the next call raise."""
+    """Each call waits until the test releases it (that call, or every call from then on);
+    ``fail[n]`` makes this driver's call number ``n`` raise once released."""
 
     def __init__(self, calls: list[tuple[str, str, Any]], name: str) -> None:
         self.calls = calls
         self.name = name
-        self.release = asyncio.Event()
-        self.fail: BaseException | None = None
+        self.gates: list[asyncio.Event] = []
+        self.fail: dict[int, BaseException] = {}
+        self._open = False
+
+    def release(self, call: int | None = None) -> None:
+        """Let call number ``call`` (``None``: every call, now and later) come back."""
+        if call is None:
+            self._open = True
+            for gate in self.gates:
+                gate.set()
+        else:
+            self.gates[call].set()
+
+    async def _round_trip(self, kind: str, args: Any) -> None:
+        number = len(self.gates)
+        gate = asyncio.Event()
+        self.gates.append(gate)
+        self.calls.append((self.name, kind, args))
+        if self._open:
+            gate.set()
+        await gate.wait()
+        if number in self.fail:
+            raise self.fail[number]
 
     async def execute(self, sql: str, *args: Any) -> str:
-        self.calls.append((self.name, "execute", list(args)))
-        await self.release.wait()
-        if self.fail is not None:
-            raise self.fail
+        await self._round_trip("execute", list(args))
         return "SELECT 1"
 
     async def executemany(self, sql: str, args: Sequence[Sequence[Any]]) -> None:
-        self.calls.append((self.name, "executemany", [list(a) for a in args]))
-        await self.release.wait()
-        if self.fail is not None:
-            raise self.fail
+        await self._round_trip("executemany", [list(a) for a in args])
 
 
 class Harness:
@@ -65,26 +81,48 @@ async def test_an_idle_shape_is_sent_at_once_alone() -> None:
     task = h.send("a", 1)
     await _settle()
     assert h.calls == [("a", "execute", [1])]
-    h.driver("a").release.set()
+    h.driver("a").release()
     assert await task is True
     assert h.grouped == []
 
 
-async def test_those_arriving_during_a_send_go_next_as_one_executemany_in_order() -> None:
+async def test_those_arriving_during_a_send_go_next_on_the_senders_connection_in_order() -> None:
     h = Harness()
     first = h.send("a", 1)
     await _settle()
     queued = [h.send(name, n) for name, n in (("b", 2), ("c", 3), ("d", 4))]
     await _settle()
     assert len(h.calls) == 1  # they wait for the send in flight
-    h.driver("a").release.set()
+    h.driver("a").release(0)
     await _settle()
-    # The first of them sends the batch, on its own connection.
-    assert h.calls[1] == ("b", "executemany", [[2], [3], [4]])
+    # a's own writes are committed; a sends the queue at once, as one batch, on its connection.
+    assert h.calls[1] == ("a", "executemany", [[2], [3], [4]])
+    assert not first.done()  # a waits for that batch too (one extra round trip)
+    h.driver("a").release(1)
     assert await first is True
-    h.driver("b").release.set()
     assert await asyncio.gather(*queued) == [True, True, True]
-    assert h.grouped == [2]  # two transactions' commits rode on b's
+    assert h.grouped == [2]  # three transactions, one commit: two rode on another's
+
+
+async def test_a_sender_sends_one_batch_beyond_its_own_then_hands_the_queue_on() -> None:
+    h = Harness()
+    first = h.send("a", 1)
+    await _settle()
+    second = h.send("b", 2)
+    await _settle()
+    h.driver("a").release(0)
+    await _settle()
+    assert h.calls[1] == ("a", "execute", [2])  # b's, alone, on a's connection
+    later = [h.send("c", 3), h.send("d", 4)]  # queue while that batch is in flight
+    await _settle()
+    h.driver("a").release(1)
+    assert await first is True and await second is True
+    await _settle()
+    # a is done: the queue goes to its first member, c, on c's own connection.
+    assert h.calls[2] == ("c", "executemany", [[3], [4]])
+    h.driver("c").release()
+    assert await asyncio.gather(*later) == [True, True]
+    assert h.grouped == [1]
 
 
 async def test_a_refused_batch_sends_every_member_back_to_send_alone() -> None:
@@ -93,18 +131,29 @@ async def test_a_refused_batch_sends_every_member_back_to_send_alone() -> None:
     await _settle()
     queued = [h.send("b", 2), h.send("c", 3)]
     await _settle()
-    h.driver("b").fail = asyncpg.exceptions.UniqueViolationError("duplicate key")
-    h.driver("a").release.set()
-    h.driver("b").release.set()
-    assert await first is True
+    h.driver("a").fail[1] = asyncpg.exceptions.UniqueViolationError("duplicate key")
+    h.driver("a").release()
+    assert await first is True  # its own writes were committed before the batch was refused
     assert await asyncio.gather(*queued) == [False, False]  # nothing committed: resend alone
     assert h.grouped == []
 
 
+async def test_a_member_refused_in_the_senders_next_batch_alone_resends_alone() -> None:
+    h = Harness()
+    first = h.send("a", 1)
+    await _settle()
+    queued = h.send("b", 2)
+    await _settle()
+    h.driver("a").fail[1] = asyncpg.exceptions.UniqueViolationError("duplicate key")
+    h.driver("a").release()
+    assert await first is True  # b's error is b's: a is not told of it
+    assert await queued is False  # b learns its own outcome by sending alone
+
+
 async def test_a_statement_refused_alone_raises_its_own_error() -> None:
     h = Harness()
-    h.driver("a").fail = asyncpg.exceptions.UniqueViolationError("duplicate key")
-    h.driver("a").release.set()
+    h.driver("a").fail[0] = asyncpg.exceptions.UniqueViolationError("duplicate key")
+    h.driver("a").release()
     with pytest.raises(asyncpg.exceptions.UniqueViolationError):
         await h.send("a", 1)
 
@@ -113,17 +162,29 @@ async def test_a_batch_lost_in_flight_fails_every_member_as_unavailable() -> Non
     h = Harness()
     first = h.send("a", 1)
     await _settle()
-    queued = [h.send("b", 2), h.send("c", 3)]
+    chained = [h.send("b", 2), h.send("c", 3)]
     await _settle()
-    h.driver("b").fail = ConnectionResetError("server closed the connection")
-    h.driver("a").release.set()
-    h.driver("b").release.set()
-    assert await first is True
-    leader, member = await asyncio.gather(*queued, return_exceptions=True)
+    h.driver("a").release(0)
+    await _settle()
+    handed = [h.send("d", 4), h.send("e", 5)]  # queue while a's second batch is in flight
+    await _settle()
+    h.driver("a").fail[1] = ConnectionResetError("server closed the connection")
+    h.driver("a").release(1)
+    # a's own writes were committed, but its connection failed: it raises, for its pool.
+    with pytest.raises(ConnectionResetError):
+        await first
+    outcomes = await asyncio.gather(*chained, return_exceptions=True)
+    assert all(isinstance(o, StoreUnavailable) for o in outcomes)  # the outcome is unknown
+    await _settle()
+    # The queue behind them was handed on: d sends it, and its connection fails too.
+    assert h.calls[2] == ("d", "executemany", [[4], [5]])
+    h.driver("d").fail[0] = ConnectionResetError("server closed the connection")
+    h.driver("d").release()
+    leader, member = await asyncio.gather(*handed, return_exceptions=True)
     assert isinstance(leader, ConnectionResetError)  # the sender's own error, for its pool
-    assert isinstance(member, StoreUnavailable)  # the outcome is unknown
-    later = h.send("d", 4)  # the shape is free again
-    h.driver("d").release.set()
+    assert isinstance(member, StoreUnavailable)
+    later = h.send("f", 6)  # the shape is free again
+    h.driver("f").release()
     assert await later is True
 
 
@@ -135,10 +196,9 @@ async def test_a_member_cancelled_while_queued_is_not_sent() -> None:
     await _settle()
     gone.cancel()
     await _settle()
-    h.driver("a").release.set()
-    h.driver("c").release.set()
+    h.driver("a").release()
     assert await first is True and await kept is True
-    assert h.calls[1] == ("c", "execute", [3])  # b left: c is alone
+    assert h.calls[1] == ("a", "execute", [3])  # b left: c is alone
     assert gone.cancelled()
 
 
@@ -148,23 +208,27 @@ async def test_a_member_cancelled_as_it_is_handed_the_batch_passes_it_on(
     h = Harness()
     first = h.send("a", 1)
     await _settle()
-    handed, rest = h.send("b", 2), [h.send("c", 3), h.send("d", 4)]
+    second = h.send("b", 2)
+    await _settle()
+    h.driver("a").release(0)
+    await _settle()  # a now sends b's batch
+    handed, rest = h.send("c", 3), [h.send("d", 4), h.send("e", 5)]
     await _settle()
     hand_off = GroupSender._hand_off
     cancelled: list[bool] = []
 
     def hand_off_then_cancel(shape: Any) -> None:
-        hand_off(shape)  # a hands the batch to b ...
+        hand_off(shape)  # a hands the queue to c ...
         if not cancelled:
             cancelled.append(handed.cancel())  # ... whose task is cancelled before it runs
 
     monkeypatch.setattr(GroupSender, "_hand_off", staticmethod(hand_off_then_cancel))
-    h.driver("a").release.set()
-    assert await first is True
+    h.driver("a").release(1)
+    assert await first is True and await second is True
     await _settle()
     assert cancelled == [True] and handed.cancelled()
-    assert h.calls[1] == ("c", "executemany", [[3], [4]])  # c took the batch over
-    h.driver("c").release.set()
+    assert h.calls[2] == ("d", "executemany", [[4], [5]])  # d took the batch over
+    h.driver("d").release()
     assert await asyncio.gather(*rest) == [True, True]
 
 
@@ -174,6 +238,6 @@ async def test_different_shapes_do_not_wait_for_each_other() -> None:
     other = h.send("b", 2, sql=OTHER_SQL)
     await _settle()
     assert [c[:2] for c in h.calls] == [("a", "execute"), ("b", "execute")]
-    h.driver("a").release.set()
-    h.driver("b").release.set()
+    h.driver("a").release()
+    h.driver("b").release()
     assert await first is True and await other is True
