@@ -40,6 +40,7 @@ from sqlalchemy.sql.dml import Insert, ReturningUpdate, Update
 from sqlalchemy.sql.selectable import Select
 
 from ledger.errors import LeaseLost
+from ledger.frozen import replacer
 from ledger.schema import (
     Json,
     compensation_steps,
@@ -112,6 +113,10 @@ class Effect:
     result: Any
     last_error: str | None
     forward_op_key: str | None = None
+
+
+#: ``dataclasses.replace`` for :class:`Effect`, at a third of its cost (``ledger.frozen``).
+replace_effect = replacer(Effect)
 
 
 @dataclass(frozen=True, slots=True)

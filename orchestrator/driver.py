@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import structlog
@@ -234,7 +234,7 @@ class SagaRun:
         m = self.services.metrics
         if m is None:
             return
-        m.effects.labels(kind=claim.kind.value, outcome=decision.state.value).inc()
+        m.effect_recorded(claim.kind.value, decision.state.value)
         if decision.lookups:
             m.reconciles.inc(decision.lookups)
 
@@ -724,7 +724,7 @@ class SagaRun:
         items = self._items(kind)
         for index, e in enumerate(items):
             if e.key == key:
-                items[index] = replace(e, **changes)
+                items[index] = effects.replace_effect(e, **changes)
                 return
 
 
