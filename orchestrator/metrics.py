@@ -8,6 +8,8 @@ picture of the shared store. ``agent-txn worker --metrics-port P`` serves them.
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from ledger import effects, transactions
@@ -27,6 +29,9 @@ class Metrics:
         self.effects = Counter(
             "agent_txn_effects", "Recorded effect outcomes.", ["kind", "outcome"], registry=r
         )
+        # labels() parses its keywords and takes the metric's lock on every call (1.5 µs
+        # against 0.4 for the child's inc()); a driver records three outcomes per saga.
+        self._effect_children: dict[tuple[str, str], Any] = {}
         self.reconciles = Counter(
             "agent_txn_reconcile_attempts", "Lookups made to reconcile an effect.", registry=r
         )
@@ -47,6 +52,15 @@ class Metrics:
             "Time to claim a batch of transactions.",
             registry=r,
         )
+
+    def effect_recorded(self, kind: str, outcome: str) -> None:
+        """Count one recorded effect outcome (``agent_txn_effects{kind, outcome}``)."""
+        child = self._effect_children.get((kind, outcome))
+        if child is None:
+            child = self._effect_children[(kind, outcome)] = self.effects.labels(
+                kind=kind, outcome=outcome
+            )
+        child.inc()
 
     def serve(self, port: int, host: str = "127.0.0.1") -> None:
         """Expose ``/metrics`` on ``host:port`` (a daemon thread)."""
