@@ -76,6 +76,17 @@ async def _settle() -> None:
         await asyncio.sleep(0)
 
 
+async def _queued_behind_a(
+    h: Harness, *members: tuple[str, int]
+) -> tuple[asyncio.Task[bool], list[asyncio.Task[bool]]]:
+    """a's statement in flight, alone; then ``members`` queued behind it."""
+    first = h.send("a", 1)
+    await _settle()
+    queued = [h.send(name, n) for name, n in members]
+    await _settle()
+    return first, queued
+
+
 async def test_an_idle_shape_is_sent_at_once_alone() -> None:
     h = Harness()
     task = h.send("a", 1)
@@ -88,10 +99,7 @@ async def test_an_idle_shape_is_sent_at_once_alone() -> None:
 
 async def test_those_arriving_during_a_send_go_next_on_the_senders_connection_in_order() -> None:
     h = Harness()
-    first = h.send("a", 1)
-    await _settle()
-    queued = [h.send(name, n) for name, n in (("b", 2), ("c", 3), ("d", 4))]
-    await _settle()
+    first, queued = await _queued_behind_a(h, ("b", 2), ("c", 3), ("d", 4))
     assert len(h.calls) == 1  # they wait for the send in flight
     h.driver("a").release(0)
     await _settle()
@@ -106,10 +114,7 @@ async def test_those_arriving_during_a_send_go_next_on_the_senders_connection_in
 
 async def test_a_sender_sends_one_batch_beyond_its_own_then_hands_the_queue_on() -> None:
     h = Harness()
-    first = h.send("a", 1)
-    await _settle()
-    second = h.send("b", 2)
-    await _settle()
+    first, (second,) = await _queued_behind_a(h, ("b", 2))
     h.driver("a").release(0)
     await _settle()
     assert h.calls[1] == ("a", "execute", [2])  # b's, alone, on a's connection
@@ -127,10 +132,7 @@ async def test_a_sender_sends_one_batch_beyond_its_own_then_hands_the_queue_on()
 
 async def test_a_refused_batch_sends_every_member_back_to_send_alone() -> None:
     h = Harness()
-    first = h.send("a", 1)
-    await _settle()
-    queued = [h.send("b", 2), h.send("c", 3)]
-    await _settle()
+    first, queued = await _queued_behind_a(h, ("b", 2), ("c", 3))
     h.driver("a").fail[1] = asyncpg.exceptions.UniqueViolationError("duplicate key")
     h.driver("a").release()
     assert await first is True  # its own writes were committed before the batch was refused
@@ -140,10 +142,7 @@ async def test_a_refused_batch_sends_every_member_back_to_send_alone() -> None:
 
 async def test_a_member_refused_in_the_senders_next_batch_alone_resends_alone() -> None:
     h = Harness()
-    first = h.send("a", 1)
-    await _settle()
-    queued = h.send("b", 2)
-    await _settle()
+    first, (queued,) = await _queued_behind_a(h, ("b", 2))
     h.driver("a").fail[1] = asyncpg.exceptions.UniqueViolationError("duplicate key")
     h.driver("a").release()
     assert await first is True  # b's error is b's: a is not told of it
@@ -160,10 +159,7 @@ async def test_a_statement_refused_alone_raises_its_own_error() -> None:
 
 async def test_a_batch_lost_in_flight_fails_every_member_as_unavailable() -> None:
     h = Harness()
-    first = h.send("a", 1)
-    await _settle()
-    chained = [h.send("b", 2), h.send("c", 3)]
-    await _settle()
+    first, chained = await _queued_behind_a(h, ("b", 2), ("c", 3))
     h.driver("a").release(0)
     await _settle()
     handed = [h.send("d", 4), h.send("e", 5)]  # queue while a's second batch is in flight
@@ -190,10 +186,7 @@ async def test_a_batch_lost_in_flight_fails_every_member_as_unavailable() -> Non
 
 async def test_a_member_cancelled_while_queued_is_not_sent() -> None:
     h = Harness()
-    first = h.send("a", 1)
-    await _settle()
-    gone, kept = h.send("b", 2), h.send("c", 3)
-    await _settle()
+    first, (gone, kept) = await _queued_behind_a(h, ("b", 2), ("c", 3))
     gone.cancel()
     await _settle()
     h.driver("a").release()
@@ -206,10 +199,7 @@ async def test_a_member_cancelled_as_it_is_handed_the_batch_passes_it_on(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     h = Harness()
-    first = h.send("a", 1)
-    await _settle()
-    second = h.send("b", 2)
-    await _settle()
+    first, (second,) = await _queued_behind_a(h, ("b", 2))
     h.driver("a").release(0)
     await _settle()  # a now sends b's batch
     handed, rest = h.send("c", 3), [h.send("d", 4), h.send("e", 5)]
