@@ -16,6 +16,7 @@ function is built), and it refuses a keyword that is not a field with ``TypeErro
 from __future__ import annotations
 
 import dataclasses
+import types
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -47,7 +48,11 @@ def replacer(cls: type[T]) -> Callable[..., T]:
         "cls": cls,
         "new_instance": object.__new__,
     }
-    scope.update({f"set_{n}": cls.__dict__[n].__set__ for n in names})
+    for n in names:  # a field may live in a slotted base class's slots
+        slot = next((k.__dict__[n] for k in cls.__mro__ if n in k.__dict__), None)
+        if not isinstance(slot, types.MemberDescriptorType):
+            raise TypeError(f"{cls.__name__}.{n} is not a slot")
+        scope[f"set_{n}"] = slot.__set__
     exec("\n".join(lines), scope)
     replace: Callable[..., T] = scope["replace"]
     replace.__qualname__ = replace.__name__ = f"replace_{cls.__name__}"

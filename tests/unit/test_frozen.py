@@ -72,6 +72,17 @@ class _NotInInit:
     b: int = dataclasses.field(init=False, default=0)
 
 
+@dataclass(frozen=True, slots=True)
+class _Derived(Effect):
+    extra: int = 0
+
+
+def test_fields_of_a_slotted_base_class_are_copied_too() -> None:
+    before = _Derived(**{name: getattr(_effect(), name) for name in FIELDS}, extra=1)
+    after = replacer(_Derived)(before, extra=2, fence=5)
+    assert after == dataclasses.replace(before, extra=2, fence=5)
+
+
 @pytest.mark.parametrize("cls", [_NoSlots, _NotFrozen, _PostInit, _NotInInit, int])
 def test_a_class_it_would_copy_wrongly_is_refused(cls: type) -> None:
     with pytest.raises(TypeError):
