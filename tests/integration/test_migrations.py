@@ -782,7 +782,7 @@ async def test_0006_refuses_exactly_what_the_rules_refused_and_goes_back(
             assert named == broken[0], (combo, broken, named)
     assert sum(1 for _, broken, _ in results if not broken) > 0  # both outcomes were exercised
 
-    if backend == "postgresql":  # the refusal carries the rule's name where drivers look for it
+    if backend == "postgres":  # the refusal carries the rule's name where drivers look for it
         with pytest.raises(IntegrityError) as excinfo:
             await _seed_tx(eng, "tx_bad", fence=-1)
         cause = excinfo.value.orig.__cause__  # type: ignore[union-attr]
@@ -792,7 +792,7 @@ async def test_0006_refuses_exactly_what_the_rules_refused_and_goes_back(
 
     await migrate.downgrade(eng, "0005")
     assert await _check_conditions(eng) == before
-    if backend == "postgresql":
+    if backend == "postgres":
         async with eng.connect() as conn:
             left = await conn.scalar(
                 text("SELECT count(*) FROM pg_proc WHERE proname LIKE 'agent_txn_%'")
