@@ -300,9 +300,9 @@ Index("ix_ledger_tx_seq", ledger.c.tx_id, ledger.c.seq).ddl_if(dialect="postgres
 _ONLY_ON["postgresql"].add("ix_ledger_tx_seq")
 
 
-def exists_on(dialect: str, kind: str, name: str | None) -> bool:
-    """Whether an object of :data:`metadata` (of any ``kind``: names are unique across kinds)
-    exists on that backend, for Alembic's ``include_object`` and the schema tests."""
+def exists_on(dialect: str, name: str | None) -> bool:
+    """Whether an object of :data:`metadata` (an index or a CHECK: names are unique across
+    kinds) exists on that backend, for Alembic's ``include_object`` and the schema tests."""
     return not any(name in names for other, names in _ONLY_ON.items() if other != dialect)
 
 

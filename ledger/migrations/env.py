@@ -27,8 +27,8 @@ target_metadata = metadata
 def _run(connection: Connection) -> None:
     dialect = connection.dialect.name
 
-    def include_object(_obj: Any, name: str | None, kind: str, *_: Any) -> bool:
-        return exists_on(dialect, kind, name)  # autogenerate: what this backend has by design
+    def include_object(_obj: Any, name: str | None, *_: Any) -> bool:
+        return exists_on(dialect, name)  # autogenerate: what this backend has by design
 
     context.configure(
         connection=connection,

@@ -170,8 +170,8 @@ async def test_upgrade_empty_database_reaches_head(make_engine: EngineFactory, f
 def _schema_diff(connection: Connection) -> list[Any]:
     dialect = connection.dialect.name
 
-    def exists_here(_obj: Any, name: str | None, type_: str, *_: Any) -> bool:
-        return schema.exists_on(dialect, type_, name)
+    def exists_here(_obj: Any, name: str | None, *_: Any) -> bool:
+        return schema.exists_on(dialect, name)
 
     context = MigrationContext.configure(
         connection,
@@ -212,8 +212,7 @@ async def test_check_constraints_match_metadata_by_name(engine: AsyncEngine) -> 
         name: {
             str(c.name)
             for c in table.constraints
-            if isinstance(c, CheckConstraint)
-            and schema.exists_on(dialect, "check_constraint", str(c.name))
+            if isinstance(c, CheckConstraint) and schema.exists_on(dialect, str(c.name))
         }
         for name, table in schema.metadata.tables.items()
     }
