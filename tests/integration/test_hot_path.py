@@ -32,7 +32,7 @@ from sqlalchemy import (
 
 from ledger import events, transactions
 from ledger.errors import DuplicateKey, LeaseLost, StoreUnavailable
-from ledger.hot import Compiled, _compile
+from ledger.hot import Compiled, _builder, _compile
 from ledger.schema import ledger as ledger_table
 from ledger.states import TxState
 from ledger.store import Chain, Store
@@ -209,6 +209,14 @@ def test_arguments_are_what_sqlalchemy_would_bind(store: Store) -> None:
     assert compiled is not None and compiled.slots is not None
     params = {"id": 1, "doc": None, "state": "pending"}
     assert compiled.arguments(params) == _as_sqlalchemy_builds_them(compiled, params)
+    # One position: the generated tuple display needs its trailing comma.
+    compiled = _compile(insert(_mixed), dialect, ("id",))
+    assert compiled is not None and compiled.build is not None
+    assert compiled.arguments({"id": 7}) == (7,) == _as_sqlalchemy_builds_them(compiled, {"id": 7})
+    # The generated function embeds keys as string literals: any text is a key.
+    odd_keys = ("it's", 'say "x"', "back\\slash", "new\nline", "é")
+    build = _builder((*((k, None, None) for k in odd_keys), (None, None, "c")))
+    assert build({k: i for i, k in enumerate(odd_keys)}) == (0, 1, 2, 3, 4, "c")
     # A value computed per execution is left to SQLAlchemy, every time.
     ticks = iter(range(100))
     per_call = (
@@ -217,7 +225,7 @@ def test_arguments_are_what_sqlalchemy_would_bind(store: Store) -> None:
         .values(state=bindparam("s", callable_=lambda: f"t{next(ticks)}"))
     )
     compiled = _compile(per_call, dialect, ("id_",))
-    assert compiled is not None and compiled.slots is None
+    assert compiled is not None and compiled.slots is None and compiled.build is None
     assert compiled.arguments({"id_": 1}) != compiled.arguments({"id_": 1})
 
 
