@@ -55,13 +55,10 @@ class Compiled:
     compiled: SQLCompiler
     names: tuple[str, ...]
     processors: tuple[Callable[[Any], Any] | None, ...]
-    #: Per position: the parameter key it takes (``None``: a value bound in the statement) and
-    #: its bind processor; constants are processed once, here. ``None`` when a bound value is
+    #: The positional arguments of a parameter mapping, as one generated function (the slots
+    #: :func:`_slots` resolved, through :func:`_builder`). ``None`` when a bound value is
     #: computed per execution (``bindparam(callable_=…)``): then SQLAlchemy builds them.
-    slots: tuple[tuple[str | None, Callable[[Any], Any] | None, Any], ...] | None
-
-    #: ``slots`` as one generated function (:func:`_builder`); ``None`` with ``slots``.
-    build: Callable[[Mapping[str, Any]], tuple[Any, ...]] | None = None
+    build: Callable[[Mapping[str, Any]], tuple[Any, ...]] | None
 
     def arguments(self, params: Mapping[str, Any]) -> tuple[Any, ...]:
         if self.build is not None:
@@ -148,7 +145,7 @@ def _compile(stmt: Executable, dialect: Dialect, keys: tuple[str, ...]) -> Compi
     procs = tuple(processors.get(n) for n in names)
     slots = _slots(compiled, names, procs, keys)
     build = None if slots is None else _builder(slots)
-    return Compiled(compiled.string, compiled, names, procs, slots, build)
+    return Compiled(compiled.string, compiled, names, procs, build)
 
 
 class HotPath:
