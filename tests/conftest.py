@@ -146,9 +146,16 @@ def _server_lock(request: pytest.FixtureRequest) -> Iterator[None]:
     """Every test holds the test server shared; one marked ``restarts_postgres`` holds it alone.
 
     The suite runs in several processes (``-n`` in pyproject), and a server restart would fail
-    whatever the others were doing on it (:mod:`tests.support.server_lock`). SQLite-only tests
-    take the lock too: cheaper than telling them apart, and they wait only while a restarting
-    test runs."""
+    whatever the others were doing on it (:mod:`tests.support.server_lock`). A test run with the
+    ``sqlite`` backend never talks to the server, so it takes no lock: among those are the
+    longest tests of the suite (the SQLite random-schedule run and crash matrix), and a
+    restarting test would otherwise sit idle until they end, with a second process queued
+    behind it. Other tests (no backend, or ``postgres``) take it, as telling apart the unit
+    tests that reach the server is not worth the risk of a restart failing one of them."""
+    callspec = getattr(request.node, "callspec", None)
+    if callspec is not None and callspec.params.get("backend") == "sqlite":
+        yield
+        return
     lock = ServerLock(pg_admin_url())
     if request.node.get_closest_marker("restarts_postgres") is not None:
         with lock.exclusive():

@@ -26,11 +26,12 @@ FAULTS = ",".join(
 )
 
 
+# PostgreSQL only (worker fleets share one server; SQLite has a single writer). Not a skipped
+# SQLite case: a restarting test holds the test server alone, even to skip.
 @pytest.mark.slow
 @pytest.mark.restarts_postgres
+@pytest.mark.parametrize("backend", ["postgres"], indirect=True)
 async def test_fleet_survives_a_kill_and_a_server_restart(db_urls: DbUrls, tmp_path: Path) -> None:
-    if db_urls.backend != "postgres":
-        pytest.skip("worker fleets share one PostgreSQL; SQLite has a single writer")
     harness = await Harness.open(DatabasePair(db_urls.store, db_urls.provider, db_urls.backend))
     try:
         report = await run_fleet(
