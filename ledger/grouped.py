@@ -8,8 +8,9 @@ those of the same transition (say, "record a step, claim the next") have the sam
 when a statement's shape is already on its way to the server, the transactions that end with
 the same shape wait for it and are then sent together as one asyncpg ``executemany``: one
 prepared statement, one pipelined round trip, one implicit transaction, one commit. It is the
-SQLite commit group's idea (DESIGN "Commit economy") with no waiting added: a transaction
-whose shape is idle is sent at once, alone, exactly as before, so a single saga is unchanged.
+SQLite commit group's idea (DESIGN "Commit economy"). A transaction alone in the store is
+sent at once, exactly as before, so a single saga is unchanged; with others open, an idle
+shape's statement waits at most one turn of the event loop (below, "Two cohorts").
 
 Each member's transaction stays its own in every outcome that matters:
 
@@ -29,6 +30,24 @@ the next one (everyone who queued meanwhile) itself, on its own connection, at o
 during that second batch it hands to the first of those members, which sends it on its own
 connection. A member cancelled while queued leaves the queue; one cancelled just as the batch
 was handed to it passes it on.
+
+**Two cohorts, not one convoy.** With that rule alone, sagas in flight together move as one
+convoy (``docs/benchmarks.md``, "Where a PostgreSQL saga's time goes"): the first statement of a
+stage goes alone, every other saga's queues behind it, and the batch then runs on the server
+while the client waits, after which the client runs every member's continuation while the server
+waits. Throughput is then one saga per *client + server* time, with both cores half idle. So
+when other write transactions are open on the store (``population``, counted by the store), the
+sender keeps two cohorts instead:
+
+* an idle shape's first statement is held until the loop's next turn instead of leaving alone
+  (the others of its stage, whose continuations run in this turn, join it), unless it is the
+  only transaction open — a lone saga's statement still leaves at once;
+* as soon as the queue holds half the open transactions, the member that filled it sends it on
+  its own connection, beside whatever batch of the shape is already in flight.
+
+One half's batch then runs on the server while the client runs the other half's continuations.
+Each member's outcome is decided exactly as before: a split batch is one more ``executemany``,
+with the same refusal and unknown-outcome rules.
 """
 
 from __future__ import annotations
@@ -70,9 +89,14 @@ class GroupSender:
     """Per store: sends blind transactions' statements, grouping those of one shape that
     arrive while another of that shape is in flight."""
 
-    def __init__(self, grouped: Callable[[int], None]) -> None:
+    def __init__(
+        self, grouped: Callable[[int], None], population: Callable[[], int] | None = None
+    ) -> None:
         #: Called with the number of member transactions whose commit rode on another's.
         self._grouped = grouped
+        #: The number of write transactions open on the store, the sender's own included
+        #: (``None``: one convoy, no holding or splitting; see the module's doc).
+        self._population = population
         self._shapes: dict[str, _Shape] = {}
 
     async def send(self, driver: asyncpg.Connection, sql: str, args: Sequence[Any]) -> bool:
@@ -84,11 +108,24 @@ class GroupSender:
         shape = self._shapes.get(sql)
         if shape is None:
             shape = self._shapes[sql] = _Shape()
-        me = _Member(args, asyncio.get_running_loop().create_future())
+        loop = asyncio.get_running_loop()
+        me = _Member(args, loop.create_future())
+        open_writes = 0 if self._population is None else self._population()
         if not shape.busy:
             shape.busy = True
-            return await self._lead(driver, sql, shape, [me], me)
-        shape.waiting.append(me)
+            if open_writes <= 2:  # alone, or half of two: no cohort to wait for
+                return await self._lead(driver, sql, shape, [me], me)
+            # Others may reach this shape in this turn: hold the statement until the next one.
+            loop.call_soon(self._hand_off, shape)
+            shape.waiting.append(me)
+        else:
+            shape.waiting.append(me)
+            if open_writes and 2 * len(shape.waiting) >= open_writes:
+                # Half of the open transactions are queued: they leave now, as one cohort.
+                batch, shape.waiting = shape.waiting, []
+                return await self._send_batch(
+                    driver, sql, me, [m for m in batch if m is not me and not m.woken.done()]
+                )
         try:
             outcome = await me.woken
         except asyncio.CancelledError:

@@ -156,11 +156,12 @@ class HotPath:
         dialect: Dialect,
         count: Callable[[], None],
         grouped: Callable[[int], None] = lambda _n: None,
+        population: Callable[[], int] | None = None,
     ) -> None:
         self._dialect = dialect
         self._count = count
         #: PostgreSQL: blind transactions of one shape in flight together share a commit.
-        self._groups = GroupSender(grouped)
+        self._groups = GroupSender(grouped, population)
         # (id of the statement object, parameter keys) -> compiled form, or None if ineligible.
         # The statement objects are the store's cached ones, alive as long as the store; the
         # entry holds the statement too, so an id is never reused while it is here.

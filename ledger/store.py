@@ -297,7 +297,14 @@ class Store:
         self._writer: AsyncConnection | None = None
         # PostgreSQL: connections committed on moments ago, most recent last (_take_idle).
         self._idle: list[tuple[AsyncConnection, float]] = []
-        self.hot = HotPath(engine.sync_engine.dialect, self._count_statement, self._count_grouped)
+        #: Write transactions open now (:attr:`open_writes`).
+        self._open_writes = 0
+        self.hot = HotPath(
+            engine.sync_engine.dialect,
+            self._count_statement,
+            self._count_grouped,
+            population=lambda: self._open_writes,
+        )
         #: PostgreSQL holds blind writes back and sends them together (ledger/batched.py).
         self.batches_writes = self.dialect == "postgresql"
         self._install_counters()
@@ -411,6 +418,7 @@ class Store:
         this process (:class:`CommitGroup`); on PostgreSQL it is its own."""
         # Errors translated here rather than in a context manager of their own: one generator
         # fewer to enter and leave per local transaction.
+        self._open_writes += 1
         try:
             if self._write_lock is not None:
                 async with self._grouped() as work:
@@ -423,6 +431,15 @@ class Store:
             if translated is None:
                 raise
             raise translated from exc
+        finally:
+            self._open_writes -= 1
+
+    @property
+    def open_writes(self) -> int:
+        """Local write transactions entered on this store and not yet ended (committed,
+        refused or abandoned; on SQLite, those queued for the writer included). On PostgreSQL
+        the group sender splits its queue by it (:mod:`ledger.grouped`)."""
+        return self._open_writes
 
     @asynccontextmanager
     async def _transaction(self) -> AsyncIterator[Work]:

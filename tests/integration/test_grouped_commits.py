@@ -1,7 +1,7 @@
 """Concurrent local transactions sharing commits, on both backends: each keeps its own outcome.
 
-On PostgreSQL, blind transactions of one shape that end while another of that shape is in
-flight are sent together as one ``executemany`` (ledger/grouped.py); on SQLite, transactions in
+On PostgreSQL, blind transactions of one shape that end together are sent as one
+``executemany`` per half of the open transactions (ledger/grouped.py); on SQLite, transactions in
 flight together share one physical transaction (the commit group, test_group_commit.py). What
 could break: a member's writes committed only in part, or not at all while it was told they
 were; one member's stale fence or duplicate key failing the others, or being reported to the
@@ -33,9 +33,13 @@ async def store(db_urls: DbUrls) -> AsyncIterator[Store]:
 
 
 async def _together(
-    store: Store, backend: str, bodies: list[Callable[[Work], Awaitable[None]]]
+    store: Store,
+    backend: str,
+    bodies: list[Callable[[Work], Awaitable[None]]],
+    open_at_end: list[int] | None = None,
 ) -> list[BaseException | None]:
-    """Run one local transaction per body at once; each one's error (or ``None``)."""
+    """Run one local transaction per body at once; each one's error (or ``None``).
+    ``open_at_end`` collects :attr:`Store.open_writes` as each body ends."""
     # PostgreSQL: every transaction waits at its end until all are there, so they end together
     # (SQLite's commit group runs its members' bodies one at a time: no barrier there).
     at_end = asyncio.Barrier(len(bodies)) if backend == "postgres" else None
@@ -45,6 +49,8 @@ async def _together(
             await body(work)
             if at_end is not None:
                 await at_end.wait()
+            if open_at_end is not None:
+                open_at_end.append(store.open_writes)
 
     outcomes = await asyncio.gather(*(one(b) for b in bodies), return_exceptions=True)
     return [o if isinstance(o, BaseException) else None for o in outcomes]
@@ -76,7 +82,8 @@ async def test_transactions_ending_together_share_commits_and_all_land(
         async with store.read() as conn:
             assert await events.verify(conn, f"tx-{n}") == []
     if backend == "postgres":
-        # The first is sent alone; the seven that ended while it was in flight go as one.
+        # Eight open transactions ending in one turn leave as two cohorts of four, each
+        # sent by the member that filled half the queue (ledger/grouped.py).
         assert commits == 2
         assert statements == MEMBERS
     else:
@@ -99,9 +106,20 @@ async def test_a_stale_member_loses_its_lease_alone(store: Store, backend: str) 
 
         return body
 
-    outcomes = await _together(store, backend, [failing(n) for n in range(MEMBERS)])
+    open_at_end: list[int] = []
+    outcomes = await _together(store, backend, [failing(n) for n in range(MEMBERS)], open_at_end)
 
     assert isinstance(outcomes[3], LeaseLost) and "tx-3" in str(outcomes[3])
+    # The group sender splits by this count. PostgreSQL: all members were open at once (the
+    # stale one learns of its fence only when its writes are sent, after its body). SQLite:
+    # the commit group runs the bodies in turn, each while the earlier ones wait for the
+    # group's commit, and the stale one fails inside its body. Refused or committed, every
+    # member left the count.
+    if backend == "postgres":
+        assert open_at_end == [MEMBERS] * MEMBERS
+    else:
+        assert open_at_end == list(range(1, MEMBERS))
+    assert store.open_writes == 0
     assert [o for i, o in enumerate(outcomes) if i != 3] == [None] * (MEMBERS - 1)
     assert await _status(store, "tx-3") is TxState.EXECUTING
     for n in set(range(MEMBERS)) - {3}:

@@ -57,10 +57,16 @@ class HeldDriver:
 
 
 class Harness:
-    def __init__(self) -> None:
+    """``population``: the open write transactions the sender is told of (``None``: it is told
+    nothing, and keeps one convoy)."""
+
+    def __init__(self, population: int | None = None) -> None:
         self.calls: list[tuple[str, str, Any]] = []
         self.grouped: list[int] = []
-        self.sender = GroupSender(self.grouped.append)
+        self.population = population
+        self.sender = GroupSender(
+            self.grouped.append, None if population is None else lambda: self.population or 0
+        )
         self.drivers: dict[str, HeldDriver] = {}
 
     def driver(self, name: str) -> HeldDriver:
@@ -231,3 +237,115 @@ async def test_different_shapes_do_not_wait_for_each_other() -> None:
     h.driver("a").release()
     h.driver("b").release()
     assert await first is True and await other is True
+
+
+# -- two cohorts: holding an idle shape's first statement, splitting the queue at half ----------
+
+
+def _in_one_turn(h: Harness, *members: tuple[str, int]) -> list[asyncio.Task[bool]]:
+    """Tasks that all start in the same turn of the loop (as a batch's woken members do)."""
+    return [h.send(name, n) for name, n in members]
+
+
+async def test_a_lone_open_transaction_is_sent_at_once() -> None:
+    h = Harness(population=1)
+    task = h.send("a", 1)
+    await asyncio.sleep(0)  # the task's first step: no turn is waited for
+    assert h.calls == [("a", "execute", [1])]
+    h.driver("a").release()
+    assert await task is True
+
+
+async def test_two_open_transactions_are_two_cohorts_of_one() -> None:
+    h = Harness(population=2)
+    tasks = _in_one_turn(h, ("a", 1), ("b", 2))
+    await asyncio.sleep(0)  # their first steps: neither waits for the other
+    assert h.calls == [("a", "execute", [1]), ("b", "execute", [2])]
+    h.driver("a").release()
+    h.driver("b").release()
+    assert await asyncio.gather(*tasks) == [True, True]
+    assert h.grouped == []
+
+
+async def test_an_idle_shapes_statement_waits_one_turn_for_others_of_its_stage() -> None:
+    h = Harness(population=3)
+    first, second, third = _in_one_turn(h, ("a", 1), ("b", 2), ("c", 3))
+    await asyncio.sleep(0)  # the three first steps, in one turn: a's statement is held
+    assert h.calls == [("b", "executemany", [[2], [1]])]
+    await _settle()
+    # Half of three is two: b, which made the queue two, sent its own and a's; c, alone in the
+    # queue then, went at the held hand-off's turn.
+    assert h.calls == [("b", "executemany", [[2], [1]]), ("c", "execute", [3])]
+    h.driver("b").release()
+    h.driver("c").release()
+    assert await asyncio.gather(first, second, third) == [True, True, True]
+    assert h.grouped == [1]
+
+
+async def test_a_held_statement_nobody_joins_leaves_alone_at_the_next_turn() -> None:
+    h = Harness(population=3)
+    task = h.send("a", 1)
+    await asyncio.sleep(0)
+    assert h.calls == []  # held
+    await _settle()
+    assert h.calls == [("a", "execute", [1])]
+    h.driver("a").release()
+    assert await task is True
+    assert h.grouped == []
+
+
+async def test_the_queue_leaves_in_two_cohorts_each_on_its_filler_s_connection() -> None:
+    h = Harness(population=8)
+    tasks = _in_one_turn(h, *((name, n) for n, name in enumerate("abcdefgh", start=1)))
+    await _settle()
+    # Two batches of the one shape in flight at once, each sent by the member that filled it
+    # (its own statement first).
+    assert h.calls == [
+        ("d", "executemany", [[4], [1], [2], [3]]),
+        ("h", "executemany", [[8], [5], [6], [7]]),
+    ]
+    h.driver("h").release()  # the second cohort's commit comes back first: it is not held
+    assert await asyncio.gather(*tasks[4:]) == [True] * 4
+    assert not any(t.done() for t in tasks[:4])
+    h.driver("d").release()
+    assert await asyncio.gather(*tasks[:4]) == [True] * 4
+    assert h.grouped == [3, 3]
+    later = h.send("i", 9)  # the shape is free again (the held hand-off found nobody)
+    h.population = 1
+    h.driver("i").release()
+    assert await later is True and h.calls[-1] == ("i", "execute", [9])
+
+
+async def test_a_refused_cohort_sends_every_member_back_to_send_alone() -> None:
+    h = Harness(population=4)
+    h.driver("b").fail[0] = asyncpg.exceptions.UniqueViolationError("duplicate key")
+    h.driver("b").release()
+    tasks = _in_one_turn(h, ("a", 1), ("b", 2))
+    assert await asyncio.gather(*tasks) == [False, False]  # nothing committed: resend alone
+    assert h.calls == [("b", "executemany", [[2], [1]])]
+    assert h.grouped == []
+
+
+async def test_a_cohort_lost_in_flight_fails_every_member_as_unavailable() -> None:
+    h = Harness(population=4)
+    h.driver("b").fail[0] = ConnectionResetError("server closed the connection")
+    h.driver("b").release()
+    member, sender = await asyncio.gather(
+        *_in_one_turn(h, ("a", 1), ("b", 2)), return_exceptions=True
+    )
+    assert isinstance(sender, ConnectionResetError)  # the sender's own error, for its pool
+    assert isinstance(member, StoreUnavailable)  # the outcome is unknown
+
+
+async def test_a_held_member_cancelled_before_its_turn_is_not_sent() -> None:
+    h = Harness(population=4)
+    gone = h.send("a", 1)
+    await asyncio.sleep(0)  # held
+    gone.cancel()
+    await _settle()
+    assert gone.cancelled() and h.calls == []
+    later = h.send("b", 2)  # the shape is free again
+    await _settle()
+    assert h.calls == [("b", "execute", [2])]
+    h.driver("b").release()
+    assert await later is True
