@@ -277,6 +277,7 @@ class Store:
         *,
         url: str,
         clock: Callable[[], float] = time.time,
+        commit_cohorts: bool = True,
     ) -> None:
         self.engine = engine
         self.url = url
@@ -303,7 +304,8 @@ class Store:
             engine.sync_engine.dialect,
             self._count_statement,
             self._count_grouped,
-            population=lambda: self._open_writes,
+            # PostgreSQL: grouped commits leave in two cohorts (ledger/grouped.py), or in one.
+            population=(lambda: self._open_writes) if commit_cohorts else None,
         )
         #: PostgreSQL holds blind writes back and sends them together (ledger/batched.py).
         self.batches_writes = self.dialect == "postgresql"
@@ -327,8 +329,10 @@ class Store:
         clock: Callable[[], float] = time.time,
         sqlite_synchronous: str = "FULL",
         pg_pool_size: int = dialects.PG_POOL_SIZE,
+        commit_cohorts: bool = True,
     ) -> Store:
-        """Connect, check (or create) the schema, and return a ready store."""
+        """Connect, check (or create) the schema, and return a ready store.
+        ``commit_cohorts``: see :attr:`orchestrator.config.EngineSettings.pg_commit_cohorts`."""
         from ledger import migrate  # local: migrations import the schema, not the store
 
         url = dialects.normalize_url(url)
@@ -343,7 +347,7 @@ class Store:
             if translated is not None and translated is not exc:
                 raise translated from exc
             raise
-        return cls(engine, url=url, clock=clock)
+        return cls(engine, url=url, clock=clock, commit_cohorts=commit_cohorts)
 
     def _install_counters(self) -> None:
         sync_engine = self.engine.sync_engine

@@ -165,6 +165,7 @@ class Orchestrator:
                 clock=clock,
                 sqlite_synchronous=settings.sqlite_synchronous,
                 pg_pool_size=settings.pg_pool_size,
+                commit_cohorts=settings.pg_commit_cohorts,
             )
         except SchemaOutdated as exc:
             raise SchemaOutdatedError(str(exc)) from exc

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
+import asyncpg
 import pytest
 
 from ledger import events, transactions
@@ -141,3 +143,33 @@ async def test_a_duplicate_member_is_refused_alone(store: Store, backend: str) -
         assert await _status(store, f"tx-{n}") is TxState.EXECUTING
     async with store.read() as conn:
         assert [e.action for e in await events.read(conn, "tx-dup")] == ["prepare", "start"]
+
+
+@pytest.mark.parametrize("backend", ["postgres"], indirect=True)
+@pytest.mark.parametrize(("cohorts", "batches"), [(True, [4, 4]), (False, [7])])
+async def test_grouped_commits_leave_in_two_cohorts_or_one_convoy(
+    db_urls: DbUrls,
+    backend: str,
+    cohorts: bool,
+    batches: list[int],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Spied at the driver: which batches went to the server. With cohorts (the default), eight
+    # transactions ending in one turn leave as two batches of four; without (a worker's
+    # setting, orchestrator/workerproc.py), the first leaves alone and the seven queued behind
+    # it follow as one batch.
+    sent: list[int] = []
+    executemany = asyncpg.Connection.executemany
+
+    async def spy(self: asyncpg.Connection, command: str, args: Any, **kw: Any) -> Any:
+        rows = list(args)
+        sent.append(len(rows))
+        return await executemany(self, command, rows, **kw)
+
+    monkeypatch.setattr(asyncpg.Connection, "executemany", spy)
+    async with bare_store(db_urls.store, commit_cohorts=cohorts) as store:
+        outcomes = await _together(store, backend, [_inserting(f"tx-{n}") for n in range(MEMBERS)])
+        assert outcomes == [None] * MEMBERS
+        assert sent == batches
+        for n in range(MEMBERS):
+            assert await _status(store, f"tx-{n}") is TxState.EXECUTING

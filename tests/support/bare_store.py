@@ -15,9 +15,9 @@ SAGA = "bare"
 
 
 @asynccontextmanager
-async def bare_store(url: str) -> AsyncIterator[Store]:
+async def bare_store(url: str, *, commit_cohorts: bool = True) -> AsyncIterator[Store]:
     """A store on ``url`` holding the definition :data:`DIGEST` (transactions point at it)."""
-    store = await Store.open(url)
+    store = await Store.open(url, commit_cohorts=commit_cohorts)
     async with store.transaction() as work:
         await definitions.put(work, digest=DIGEST, name=SAGA, definition={"name": SAGA})
     try:
