@@ -40,8 +40,8 @@ when other write transactions are open on the store (``population``, counted by 
 sender keeps two cohorts instead:
 
 * an idle shape's first statement is held until the loop's next turn instead of leaving alone
-  (the others of its stage, whose continuations run in this turn, join it), unless it is the
-  only transaction open — a lone saga's statement still leaves at once;
+  (the others of its stage, whose continuations run in this turn, join it), unless at most
+  two transactions are open — a lone saga's statement still leaves at once;
 * as soon as the queue holds half the open transactions, the member that filled it sends it on
   its own connection, beside whatever batch of the shape is already in flight.
 
