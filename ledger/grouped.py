@@ -41,7 +41,9 @@ sender keeps two cohorts instead:
 
 * an idle shape's first statement is held until the loop's next turn instead of leaving alone
   (the others of its stage, whose continuations run in this turn, join it), unless at most
-  two transactions are open — a lone saga's statement still leaves at once;
+  two transactions are open — a lone saga's statement still leaves at once — or the shape's
+  last batch had one member: a shape whose statements come alone (a mixed workload, where
+  the open transactions are of other shapes) is sent at once, as before;
 * as soon as the queue holds half the open transactions, the member that filled it sends it on
   its own connection, beside whatever batch of the shape is already in flight.
 
@@ -77,11 +79,14 @@ class _Lead:
 
 
 class _Shape:
-    __slots__ = ("busy", "waiting")
+    __slots__ = ("busy", "company", "waiting")
 
     def __init__(self) -> None:
         #: A batch of this shape is on its way (or has been handed to a member to send).
         self.busy = False
+        #: The last batch of this shape had more than one member: its statements come in
+        #: company, so holding an idle one for the loop's turn is worth it.
+        self.company = False
         self.waiting: list[_Member] = []
 
 
@@ -113,7 +118,9 @@ class GroupSender:
         open_writes = 0 if self._population is None else self._population()
         if not shape.busy:
             shape.busy = True
-            if open_writes <= 2:  # alone, or half of two: no cohort to wait for
+            if open_writes <= 2 or not shape.company:
+                # Alone, or half of two: no cohort to wait for. Or this shape's statements
+                # have come alone: holding them would only add a turn (a mixed workload).
                 return await self._lead(driver, sql, shape, [me], me)
             # Others may reach this shape in this turn: hold the statement until the next one.
             loop.call_soon(self._hand_off, shape)
@@ -124,7 +131,7 @@ class GroupSender:
                 # Half of the open transactions are queued: they leave now, as one cohort.
                 batch, shape.waiting = shape.waiting, []
                 return await self._send_batch(
-                    driver, sql, me, [m for m in batch if m is not me and not m.woken.done()]
+                    driver, sql, shape, me, [m for m in batch if m is not me and not m.woken.done()]
                 )
         try:
             outcome = await me.woken
@@ -155,7 +162,7 @@ class GroupSender:
         # A member cancelled while it queued has left: its writes are not sent.
         others = [m for m in batch if m is not me and not m.woken.done()]
         try:
-            committed = await self._send_batch(driver, sql, me, others)
+            committed = await self._send_batch(driver, sql, shape, me, others)
             if committed:
                 await self._send_queued(driver, sql, shape)
             return committed
@@ -178,12 +185,13 @@ class GroupSender:
         queued = [m for m in shape.waiting if not m.woken.done()]
         shape.waiting = []
         if queued:
-            await self._send_batch(driver, sql, None, queued)
+            await self._send_batch(driver, sql, shape, None, queued)
 
     async def _send_batch(
         self,
         driver: asyncpg.Connection,
         sql: str,
+        shape: _Shape,
         leader: _Member | None,
         members: list[_Member],
     ) -> bool:
@@ -197,6 +205,7 @@ class GroupSender:
             if leader is None
             else [leader.args, *(m.args for m in members)]
         )
+        shape.company = len(rows) > 1
         committed: bool | None = True  # None: unknown
         try:
             if len(rows) > 1:

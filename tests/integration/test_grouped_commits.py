@@ -84,9 +84,10 @@ async def test_transactions_ending_together_share_commits_and_all_land(
         async with store.read() as conn:
             assert await events.verify(conn, f"tx-{n}") == []
     if backend == "postgres":
-        # Eight open transactions ending in one turn leave as two cohorts of four, each
-        # sent by the member that filled half the queue (ledger/grouped.py).
-        assert commits == 2
+        # A fresh shape: the first leaves alone, the queue behind it in cohorts of half the
+        # open transactions (four, then the three left). The rounds after it are checked in
+        # test_grouped_commits_leave_in_two_cohorts_or_one_convoy.
+        assert commits == 3
         assert statements == MEMBERS
     else:
         assert commits < MEMBERS
@@ -146,18 +147,27 @@ async def test_a_duplicate_member_is_refused_alone(store: Store, backend: str) -
 
 
 @pytest.mark.parametrize("backend", ["postgres"], indirect=True)
-@pytest.mark.parametrize(("cohorts", "batches"), [(True, [4, 4]), (False, [7])])
+@pytest.mark.parametrize(
+    ("cohorts", "batches"),
+    [
+        # The shape's first round: nothing has come in company yet, so the first leaves alone
+        # either way. With cohorts the queue behind it leaves at half the open transactions
+        # (4, then the 3 left); then, in company, eight leave as two cohorts of four.
+        (True, [[4, 3], [4, 4]]),
+        (False, [[7], [7]]),
+    ],
+)
 async def test_grouped_commits_leave_in_two_cohorts_or_one_convoy(
     db_urls: DbUrls,
     backend: str,
     cohorts: bool,
-    batches: list[int],
+    batches: list[list[int]],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # Spied at the driver: which batches went to the server. With cohorts (the default), eight
-    # transactions ending in one turn leave as two batches of four; without (a worker's
-    # setting, orchestrator/workerproc.py), the first leaves alone and the seven queued behind
-    # it follow as one batch.
+    # Spied at the driver: which batches went to the server, round by round. With cohorts (the
+    # default), eight transactions ending in one turn leave as two batches of four once their
+    # shape has come in company; without (a worker's setting, orchestrator/workerproc.py), the
+    # first leaves alone and the seven queued behind it follow as one batch.
     sent: list[int] = []
     executemany = asyncpg.Connection.executemany
 
@@ -168,8 +178,13 @@ async def test_grouped_commits_leave_in_two_cohorts_or_one_convoy(
 
     monkeypatch.setattr(asyncpg.Connection, "executemany", spy)
     async with bare_store(db_urls.store, commit_cohorts=cohorts) as store:
-        outcomes = await _together(store, backend, [_inserting(f"tx-{n}") for n in range(MEMBERS)])
-        assert outcomes == [None] * MEMBERS
-        assert sent == batches
-        for n in range(MEMBERS):
-            assert await _status(store, f"tx-{n}") is TxState.EXECUTING
+        rounds = []
+        for round_ in range(len(batches)):
+            ids = [f"tx-{round_}-{n}" for n in range(MEMBERS)]
+            sent.clear()
+            outcomes = await _together(store, backend, [_inserting(i) for i in ids])
+            assert outcomes == [None] * MEMBERS
+            rounds.append(list(sent))
+            for tx_id in ids:
+                assert await _status(store, tx_id) is TxState.EXECUTING
+        assert rounds == batches

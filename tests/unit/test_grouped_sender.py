@@ -242,6 +242,24 @@ async def test_different_shapes_do_not_wait_for_each_other() -> None:
 # -- two cohorts: holding an idle shape's first statement, splitting the queue at half ----------
 
 
+async def _in_company(h: Harness) -> None:
+    """Give the shape a batch of more than one member (a convoy's: one in flight, two queued
+    behind it) on drivers of its own, then forget those calls: a shape is held only once its
+    statements have come in company."""
+    population, h.population = h.population, 0  # as if uncounted: one convoy
+    first = h.send("w1", 1)
+    await _settle()
+    queued = [h.send("w2", 2), h.send("w3", 3)]
+    await _settle()
+    h.driver("w1").release()
+    assert await first is True and await asyncio.gather(*queued) == [True, True]
+    assert h.calls[-1] == ("w1", "executemany", [[2], [3]])
+    h.calls.clear()
+    h.grouped.clear()
+    h.drivers.clear()
+    h.population = population
+
+
 def _in_one_turn(h: Harness, *members: tuple[str, int]) -> list[asyncio.Task[bool]]:
     """Tasks that all start in the same turn of the loop (as a batch's woken members do)."""
     return [h.send(name, n) for name, n in members]
@@ -269,6 +287,7 @@ async def test_two_open_transactions_are_two_cohorts_of_one() -> None:
 
 async def test_an_idle_shapes_statement_waits_one_turn_for_others_of_its_stage() -> None:
     h = Harness(population=3)
+    await _in_company(h)
     first, second, third = _in_one_turn(h, ("a", 1), ("b", 2), ("c", 3))
     await asyncio.sleep(0)  # the three first steps, in one turn: a's statement is held
     assert h.calls == [("b", "executemany", [[2], [1]])]
@@ -284,6 +303,7 @@ async def test_an_idle_shapes_statement_waits_one_turn_for_others_of_its_stage()
 
 async def test_a_held_statement_nobody_joins_leaves_alone_at_the_next_turn() -> None:
     h = Harness(population=3)
+    await _in_company(h)
     task = h.send("a", 1)
     await asyncio.sleep(0)
     assert h.calls == []  # held
@@ -296,6 +316,7 @@ async def test_a_held_statement_nobody_joins_leaves_alone_at_the_next_turn() -> 
 
 async def test_the_queue_leaves_in_two_cohorts_each_on_its_filler_s_connection() -> None:
     h = Harness(population=8)
+    await _in_company(h)
     tasks = _in_one_turn(h, *((name, n) for n, name in enumerate("abcdefgh", start=1)))
     await _settle()
     # Two batches of the one shape in flight at once, each sent by the member that filled it
@@ -318,6 +339,7 @@ async def test_the_queue_leaves_in_two_cohorts_each_on_its_filler_s_connection()
 
 async def test_a_refused_cohort_sends_every_member_back_to_send_alone() -> None:
     h = Harness(population=4)
+    await _in_company(h)
     h.driver("b").fail[0] = asyncpg.exceptions.UniqueViolationError("duplicate key")
     h.driver("b").release()
     tasks = _in_one_turn(h, ("a", 1), ("b", 2))
@@ -328,6 +350,7 @@ async def test_a_refused_cohort_sends_every_member_back_to_send_alone() -> None:
 
 async def test_a_cohort_lost_in_flight_fails_every_member_as_unavailable() -> None:
     h = Harness(population=4)
+    await _in_company(h)
     h.driver("b").fail[0] = ConnectionResetError("server closed the connection")
     h.driver("b").release()
     member, sender = await asyncio.gather(
@@ -339,6 +362,7 @@ async def test_a_cohort_lost_in_flight_fails_every_member_as_unavailable() -> No
 
 async def test_a_held_member_cancelled_before_its_turn_is_not_sent() -> None:
     h = Harness(population=4)
+    await _in_company(h)
     gone = h.send("a", 1)
     await asyncio.sleep(0)  # held
     gone.cancel()
@@ -349,3 +373,26 @@ async def test_a_held_member_cancelled_before_its_turn_is_not_sent() -> None:
     assert h.calls == [("b", "execute", [2])]
     h.driver("b").release()
     assert await later is True
+
+
+async def test_a_shape_whose_statements_come_alone_is_not_held() -> None:
+    # Many transactions open, but of other shapes (a mixed workload): this shape's last batch
+    # had one member, so its statement leaves at once instead of waiting a turn for nobody.
+    h = Harness(population=8)
+    first = h.send("a", 1)
+    await asyncio.sleep(0)
+    assert h.calls == [("a", "execute", [1])]  # a fresh shape: nothing has come in company yet
+    h.driver("a").release()
+    assert await first is True
+    second = h.send("b", 2)
+    await asyncio.sleep(0)
+    assert h.calls[-1] == ("b", "execute", [2])  # its last batch was alone: still not held
+    h.driver("b").release()
+    assert await second is True
+    await _in_company(h)
+    held = h.send("c", 3)
+    await asyncio.sleep(0)
+    assert h.calls == []  # now its statements have come in company: held for the turn
+    await _settle()
+    h.driver("c").release()
+    assert await held is True
