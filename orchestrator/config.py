@@ -50,7 +50,7 @@ class EngineSettings(BaseModel):
     pg_pool_size: int = Field(default=dialects.PG_POOL_SIZE, ge=1, le=1000)
     #: PostgreSQL: concurrent transactions that end with the same statement share a commit; with
     #: this on, they leave in two cohorts of half the open transactions each, so that one runs
-    #: on the server while this process works on the other (``ledger/grouped.py``): +15 to 26 %
+    #: on the server while this process works on the other (``ledger/grouped.py``): +14 to 26 %
     #: sagas/s at 16 in flight, for a process driving sagas as they come (``docs/benchmarks.md``,
     #: item 39). A worker process (``agent-txn worker``) turns it off unless set: it claims
     #: sagas in batches when half its slots are free, and half-size cohorts halve its batches.
