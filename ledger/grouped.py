@@ -90,9 +90,16 @@ class _Shape:
         self.waiting: list[_Member] = []
 
 
+def _others(batch: list[_Member], me: _Member) -> list[_Member]:
+    """The members of ``batch`` ``me`` sends beside its own statement. A member cancelled
+    while it queued has left (its future is done): its writes are not sent."""
+    return [m for m in batch if m is not me and not m.woken.done()]
+
+
 class GroupSender:
     """Per store: sends blind transactions' statements, grouping those of one shape that
-    arrive while another of that shape is in flight."""
+    arrive while another of that shape is in flight (in two cohorts when told the store's
+    open write transactions; see the module's doc)."""
 
     def __init__(
         self, grouped: Callable[[int], None], population: Callable[[], int] | None = None
@@ -130,9 +137,7 @@ class GroupSender:
             if open_writes and 2 * len(shape.waiting) >= open_writes:
                 # Half of the open transactions are queued: they leave now, as one cohort.
                 batch, shape.waiting = shape.waiting, []
-                return await self._send_batch(
-                    driver, sql, shape, me, [m for m in batch if m is not me and not m.woken.done()]
-                )
+                return await self._send_batch(driver, sql, shape, me, _others(batch, me))
         try:
             outcome = await me.woken
         except asyncio.CancelledError:
@@ -159,10 +164,8 @@ class GroupSender:
         batch: list[_Member],
         me: _Member,
     ) -> bool:
-        # A member cancelled while it queued has left: its writes are not sent.
-        others = [m for m in batch if m is not me and not m.woken.done()]
         try:
-            committed = await self._send_batch(driver, sql, shape, me, others)
+            committed = await self._send_batch(driver, sql, shape, me, _others(batch, me))
             if committed:
                 await self._send_queued(driver, sql, shape)
             return committed
