@@ -65,7 +65,7 @@ from ledger.transactions import count_by_status
 from orchestrator.config import EngineSettings
 from orchestrator.engine import Orchestrator
 from orchestrator.worker import Worker
-from orchestrator.workerproc import sized_for
+from orchestrator.workerproc import worker_settings
 from providers.contract import Provider
 
 #: How often the bench asks the store whether the workers are done (at least; 1 % of the time
@@ -132,7 +132,7 @@ async def _worker_main(args: argparse.Namespace) -> WorkerCounts | None:
             worker_id=args.worker_id, sqlite_synchronous=args.sqlite_synchronous
         )
         orch = await Orchestrator.open(
-            args.db, providers=wrapped, settings=sized_for(settings, args.concurrency)
+            args.db, providers=wrapped, settings=worker_settings(settings, args.concurrency)
         )
         stack.push_async_callback(orch.close)
         saga = order_saga()

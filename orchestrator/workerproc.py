@@ -50,7 +50,7 @@ async def load_providers(app_ref: str) -> tuple[list[Provider], Any]:
 WORKER_OWN_CONNECTIONS = 2
 
 
-def sized_for(settings: EngineSettings, concurrency: int) -> EngineSettings:
+def worker_settings(settings: EngineSettings, concurrency: int) -> EngineSettings:
     """``settings`` for a worker process with ``concurrency`` sagas in hand.
 
     * A PostgreSQL pool large enough for them: each holds a connection during its local
@@ -154,7 +154,7 @@ async def _serve(
         # Every log line of this process names its worker, next to the engine's tx_id / op_key.
         structlog.contextvars.bind_contextvars(worker=settings.worker_id)
         orch = await Orchestrator.open(
-            url, providers=providers, settings=sized_for(settings, concurrency)
+            url, providers=providers, settings=worker_settings(settings, concurrency)
         )
         closers.append(orch)
         if metrics_port is not None:

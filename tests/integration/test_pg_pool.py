@@ -89,21 +89,21 @@ async def test_the_engine_setting_sizes_the_stores_pool(db_urls: DbUrls) -> None
 
 
 def test_a_worker_keeps_one_commit_cohort_unless_told_otherwise() -> None:
-    from orchestrator.workerproc import sized_for
+    from orchestrator.workerproc import worker_settings
 
     assert EngineSettings().pg_commit_cohorts is True  # a process driving sagas as they come
-    assert sized_for(EngineSettings(), 8).pg_commit_cohorts is False
-    assert sized_for(EngineSettings(pg_commit_cohorts=True), 8).pg_commit_cohorts is True
+    assert worker_settings(EngineSettings(), 8).pg_commit_cohorts is False
+    assert worker_settings(EngineSettings(pg_commit_cohorts=True), 8).pg_commit_cohorts is True
     kept = EngineSettings(pg_pool_size=100, pg_commit_cohorts=False)
-    assert sized_for(kept, 8) is kept  # nothing to change: the same settings
+    assert worker_settings(kept, 8) is kept  # nothing to change: the same settings
 
 
 async def test_a_worker_sizes_the_pool_for_the_sagas_it_holds(db_urls: DbUrls) -> None:
     from orchestrator.engine import Orchestrator
-    from orchestrator.workerproc import WORKER_OWN_CONNECTIONS, sized_for
+    from orchestrator.workerproc import WORKER_OWN_CONNECTIONS, worker_settings
 
-    assert sized_for(EngineSettings(pg_pool_size=100), 8).pg_pool_size == 100  # larger: kept
-    settings = sized_for(EngineSettings(), 50)
+    assert worker_settings(EngineSettings(pg_pool_size=100), 8).pg_pool_size == 100  # larger: kept
+    settings = worker_settings(EngineSettings(), 50)
     orch = await Orchestrator.open(db_urls.store, settings=settings)
     try:
         pool = orch.store.engine.sync_engine.pool
