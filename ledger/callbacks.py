@@ -24,7 +24,6 @@ State machine (``callback_runs.state``)::
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +35,7 @@ from sqlalchemy.sql import Select
 from sqlalchemy.sql.elements import ColumnElement
 
 from ledger import dialects
+from ledger.ids import time_ordered_id
 from ledger.schema import callback_runs
 from ledger.store import Store, Work
 
@@ -94,7 +94,7 @@ async def enqueue(
     created: list[str] = []
     body = dict(payload)
     for target in dict.fromkeys(targets):  # ordered de-duplication
-        run_id = uuid.uuid4().hex
+        run_id = time_ordered_id()
         values = {
             "run_id": run_id,
             "execution_id": execution_id,

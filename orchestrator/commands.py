@@ -52,6 +52,7 @@ from ledger.canonical import NotCanonicalizable, canonical_json, fingerprint
 from ledger.commands import CommandRow
 from ledger.errors import StorageError, StoreBusy
 from ledger.executions import ExecutionRow
+from ledger.ids import time_ordered_id
 from ledger.store import Work
 from orchestrator import audit, authz, budgets, definitions, expressions
 from orchestrator.authz import Caller, Principal
@@ -585,7 +586,7 @@ class CommandService:
         exc: AgentTxnError,
     ) -> None:
         """A definite failure before any write: one audit row (and failed callbacks), no tx."""
-        execution_id = uuid.uuid4().hex
+        execution_id = time_ordered_id()
         async with self.orch.store.transaction() as work:
             await executions.insert(
                 work,
@@ -726,8 +727,8 @@ class CommandService:
     ) -> Outcome:
         if self.between_validation_and_apply is not None:
             await self.between_validation_and_apply()
-        execution_id = uuid.uuid4().hex
-        tx_id = uuid.uuid4().hex
+        execution_id = time_ordered_id()
+        tx_id = time_ordered_id()
         saga = SagaDefinition.parse(prepared.stored.saga_part())
         writer = self._records_writer(
             prepared,
@@ -800,8 +801,8 @@ class CommandService:
         ``staged``, plus the caller's ``extra`` rows, in one commit. Returns the execution id."""
         if self.between_validation_and_apply is not None:
             await self.between_validation_and_apply()
-        execution_id = uuid.uuid4().hex
-        tx_id = uuid.uuid4().hex
+        execution_id = time_ordered_id()
+        tx_id = time_ordered_id()
         saga = SagaDefinition.parse(prepared.stored.saga_part())
 
         async def extras(work: Work) -> None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-import uuid
 import weakref
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -38,6 +37,7 @@ from ledger.canonical import NotCanonicalizable, fingerprint
 from ledger.effects import Claim, EffectKind, NewEffect
 from ledger.errors import DuplicateKey, LeaseLost, SchemaOutdated, StorageError, StoreBusy
 from ledger.events import LedgerEntry, LedgerProblem
+from ledger.ids import time_ordered_id
 from ledger.states import TX_TERMINAL, TxState
 from ledger.store import Chain, Store, Work
 from orchestrator import audit, expressions, keys
@@ -421,7 +421,7 @@ class Orchestrator:
             )
         clean = definition.validate_inputs(inputs)
         business_key = self._business_key(definition, clean)
-        tx_id = tx_id or uuid.uuid4().hex
+        tx_id = tx_id or time_ordered_id()
         planned = self._plan(definition, tx_id, clean, context)
         return _Plan(definition, clean, business_key, tx_id, planned)
 

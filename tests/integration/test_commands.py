@@ -7,6 +7,7 @@ our own rows before and after.
 from __future__ import annotations
 
 import asyncio
+import uuid
 from typing import Any
 
 import pytest
@@ -74,6 +75,26 @@ async def test_execute_commits_and_records_the_execution(world: World) -> None:
     assert counts["payments.charge"] == 1
     listed = await svc.executions(alice, info["command_id"])
     assert [e["execution_id"] for e in listed] == [outcome.execution_id]
+
+
+async def test_an_execution_and_its_transaction_get_time_ordered_ids(world: World) -> None:
+    svc, alice, info = await _setup(world)
+    first = await svc.execute(alice, info["command_id"], ORDER, idempotency_key="k-1")
+    await asyncio.sleep(0.002)  # the second is minted in a later millisecond
+    second = await svc.execute(
+        alice, info["command_id"], {**ORDER, "order_id": "43"}, idempotency_key="k-2"
+    )
+    ids = [first.execution_id, second.execution_id]
+    assert ids == sorted(ids)
+    async with world.orch.store.read() as conn:
+        tx_ids = [
+            (
+                await conn.execute(select(executions.c.tx_id).where(executions.c.execution_id == e))
+            ).scalar_one()
+            for e in ids
+        ]
+    assert tx_ids == sorted(tx_ids)
+    assert {uuid.UUID(hex=i).version for i in ids + tx_ids} == {7}
 
 
 async def test_digest_mismatch_writes_nothing_and_is_checked_before_inputs(world: World) -> None:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
+import uuid
 from typing import Any
 
 import pytest
@@ -292,6 +294,26 @@ async def test_ledger_is_append_only_and_tamper_evident(world: World) -> None:
     problems = await world.orch.verify_ledger(result.tx_id)
     assert any(p.seq == seq and "hash" in p.problem for p in problems)
     assert any("replay" in p.problem for p in problems)
+
+
+async def test_transaction_ids_are_uuid7_and_grow_with_time(world: World) -> None:
+    # Time-ordered ids keep a saga's index entries beside those of the sagas before it
+    # (ledger/ids.py; docs/benchmarks.md item 40).
+    saga = order_saga()
+    await world.orch.register(saga)
+    tx_ids = []
+    for i in range(3):
+        tx_ids.append((await world.orch.execute(saga, order(f"ids-{i}"))).tx_id)
+        await asyncio.sleep(0.002)  # the next one is minted in a later millisecond
+    assert tx_ids == sorted(tx_ids)
+    async with world.orch.store.read() as conn:
+        created = dict(
+            (await conn.execute(select(transactions.c.tx_id, transactions.c.created_at))).all()
+        )
+    for tx_id in tx_ids:
+        parsed = uuid.UUID(hex=tx_id)
+        assert parsed.version == 7
+        assert abs((parsed.int >> 80) - created[tx_id]) < 1_000  # minted just before its row
 
 
 async def test_every_state_change_has_its_ledger_row(world: World) -> None:
