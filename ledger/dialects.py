@@ -203,6 +203,10 @@ def _sqlite_engine(url: str, synchronous: str, busy_timeout_ms: int) -> AsyncEng
         cursor.execute(f"PRAGMA synchronous={synchronous.upper()}")
         cursor.execute(f"PRAGMA busy_timeout={int(busy_timeout_ms)}")
         cursor.execute("PRAGMA foreign_keys=ON")
+        # The journals of savepoints and statements in memory: SQLite spills them to a file
+        # past 64 KiB, and a commit group's members (one SAVEPOINT each) went past it, so a
+        # saga wrote ~84 KB to temporary files it then threw away (docs/benchmarks.md item 41).
+        cursor.execute("PRAGMA temp_store=MEMORY")
         cursor.close()
 
     @event.listens_for(engine.sync_engine, "begin")

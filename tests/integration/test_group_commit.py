@@ -84,6 +84,36 @@ async def test_a_failing_writer_undoes_only_its_own_rows(stores: tuple[Store, St
         assert await _rows(observer, n) == (0 if n in failed else 1)
 
 
+async def test_a_failing_writer_that_rewrote_many_pages_undoes_them_all(
+    stores: tuple[Store, Store],
+) -> None:
+    # Its savepoint's journal holds the old content of every page it changed, far past the
+    # 64 KiB at which SQLite used to spill it to a temporary file (now kept in memory).
+    store, observer = stores
+    async with store.transaction() as work:
+        await work.conn.execute(
+            text(
+                "INSERT INTO gc WITH RECURSIVE n(i) AS (SELECT 0 UNION ALL SELECT i + 1 FROM n"
+                " WHERE i < 19999) SELECT -1, i FROM n"
+            )
+        )
+
+    async def writer(n: int) -> None:
+        async with store.transaction() as work:
+            if n == 1:
+                await work.conn.execute(text("UPDATE gc SET row = row + 1000000"))
+                raise RuntimeError("fails after rewriting every page of the table")
+            await work.conn.execute(text("INSERT INTO gc VALUES (:w, 0)"), {"w": n})
+
+    results = await asyncio.gather(*(writer(n) for n in range(4)), return_exceptions=True)
+
+    assert [isinstance(r, RuntimeError) for r in results] == [False, True, False, False]
+    async with observer.read() as conn:
+        top = (await conn.execute(text("SELECT max(row) FROM gc WHERE writer = -1"))).scalar_one()
+    assert top == 19999
+    assert [await _rows(observer, n) for n in range(4)] == [1, 0, 1, 1]
+
+
 async def test_a_lone_failing_writer_leaves_nothing_and_the_next_one_commits(
     stores: tuple[Store, Store],
 ) -> None:

@@ -192,3 +192,15 @@ async def test_a_rolled_back_write_leaves_nothing(store_at: tuple[Store, Path]) 
             raise RuntimeError("the caller failed mid-transaction")
     async with store.read() as conn:
         assert (await conn.execute(text("SELECT count(*) FROM t"))).scalar_one() == 0
+
+
+async def test_savepoint_and_statement_journals_stay_in_memory(
+    store_at: tuple[Store, Path],
+) -> None:
+    # A commit group's members each write inside a SAVEPOINT; past 64 KiB SQLite spilled its
+    # journal to a temporary file on disk (docs/benchmarks.md item 41). 2 = MEMORY.
+    store, _ = store_at
+    async with store.transaction() as work:
+        assert (await work.conn.execute(text("PRAGMA temp_store"))).scalar_one() == 2
+    async with store.read() as conn:
+        assert (await conn.execute(text("PRAGMA temp_store"))).scalar_one() == 2
