@@ -88,7 +88,8 @@ log = structlog.get_logger(__name__)
 #: both as canonical JSON) are the service's; this only stops a client from making the server
 #: buffer an unbounded body before those can run. Pretty-printed JSON is larger than canonical.
 MAX_BODY_BYTES: Final = 4 * 1_048_576
-#: Longest id a path or body carries (ids are uuid4 hex; principals' ids are at most 64).
+#: Longest id a path or body carries (ids are 32 hex digits, uuid4 or time-ordered UUIDv7;
+#: principals' ids are at most 64).
 MAX_ID_LENGTH: Final = 64
 #: Ids in paths: no NUL, no spaces, no slashes — nothing a database or a log line chokes on.
 ID_PATTERN: Final = r"^[A-Za-z0-9._:-]{1,64}$"
