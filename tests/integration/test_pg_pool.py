@@ -16,6 +16,7 @@ from sqlalchemy import event, text
 
 from ledger.store import Store
 from orchestrator.config import EngineSettings
+from orchestrator.workerproc import WORKER_OWN_CONNECTIONS, worker_settings
 from tests.conftest import DbUrls
 
 IN_FLIGHT = 16
@@ -89,8 +90,6 @@ async def test_the_engine_setting_sizes_the_stores_pool(db_urls: DbUrls) -> None
 
 
 def test_a_worker_keeps_one_commit_cohort_unless_told_otherwise() -> None:
-    from orchestrator.workerproc import worker_settings
-
     assert EngineSettings().pg_commit_cohorts is True  # a process driving sagas as they come
     assert worker_settings(EngineSettings(), 8).pg_commit_cohorts is False
     assert worker_settings(EngineSettings(pg_commit_cohorts=True), 8).pg_commit_cohorts is True
@@ -100,7 +99,6 @@ def test_a_worker_keeps_one_commit_cohort_unless_told_otherwise() -> None:
 
 async def test_a_worker_sizes_the_pool_for_the_sagas_it_holds(db_urls: DbUrls) -> None:
     from orchestrator.engine import Orchestrator
-    from orchestrator.workerproc import WORKER_OWN_CONNECTIONS, worker_settings
 
     assert worker_settings(EngineSettings(pg_pool_size=100), 8).pg_pool_size == 100  # larger: kept
     settings = worker_settings(EngineSettings(), 50)
