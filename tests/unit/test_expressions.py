@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 import pytest
@@ -796,7 +797,18 @@ def test_div_mod_agree(a: int, b: int) -> None:
 
 _keys = st.sampled_from(["a", "b", "x/y", "t~1", "0", "amount"])
 _refs = st.sampled_from(
-    ["inputs.amount", "inputs.sku", "inputs.missing", "steps.reserve.result", "a.0", "nums.9"]
+    [
+        "inputs.amount",
+        "inputs.sku",
+        "inputs.missing",
+        "steps.reserve.result",
+        "a.0",
+        "nums.9",
+        "a.1.x",
+        "view.k",
+        "view.k.deeper",
+        "inputs.amount.x",
+    ]
 )
 _templates = st.recursive(
     st.none() | st.booleans() | st.integers(-5, 5) | st.text(max_size=3),
@@ -817,6 +829,8 @@ _SCOPE = {
     "steps": {"reserve": {"result": {"id": "r1"}}},
     "a": [7, "b"],
     "nums": [1, 2],
+    # Not a dict: the compiled ``$ref`` hands it to the interpreter's walk (item 43).
+    "view": MappingProxyType({"k": {"v": [1]}}),
 }
 
 
