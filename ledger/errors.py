@@ -38,9 +38,14 @@ class LeaseLost(StorageError):
     """A fenced write matched no row: the lease expired and another holder claimed the row."""
 
     def __init__(self, subject: str, fence: int) -> None:
-        super().__init__(f"lease on {subject} lost (fence {fence} is no longer current)")
+        # The message is written when read, not here: a fenced write carries its LeaseLost
+        # in case it matches no row, so one is made for every such write (three per saga).
+        super().__init__(subject, fence)
         self.subject = subject
         self.fence = fence
+
+    def __str__(self) -> str:
+        return f"lease on {self.subject} lost (fence {self.fence} is no longer current)"
 
 
 class DuplicateKey(StorageError):
