@@ -404,8 +404,8 @@ async def insert(
             "ordinal": e.ordinal,
             "payload": e.payload,
             "payload_sha256": e.payload_sha256,
-            "state": (EffectState.EXECUTING if claimed else EffectState.PENDING).value,
-            "claimed_from": EffectState.PENDING.value if claimed else None,
+            "state": (EffectState.EXECUTING if claimed else EffectState.PENDING)._value_,
+            "claimed_from": EffectState.PENDING._value_ if claimed else None,
             "lease_owner": claim_first[0] if claimed and claim_first else None,
             "fence": 1 if claimed else 0,
             "attempts": 1 if claimed else 0,
@@ -431,21 +431,26 @@ async def insert(
         stmt = work.statement(
             ("effects.insert_claimed", kind), lambda now: _insert_claimed(now, kind)
         )
-        await work.write(stmt, first_row, row=(kind.value, new[0].key))
+        await work.write(stmt, first_row, row=(kind._value_, new[0].key))
         plain = rows[1:]
     if plain:
         await work.write_many(
             work.statement(("effects.insert", kind), lambda _now: table.insert()),
             plain,
-            [(kind.value, e.key) for e in new[len(rows) - len(plain) :]],
+            [(kind._value_, e.key) for e in new[len(rows) - len(plain) :]],
         )
     for e in new:
         work.log(
             chain,
             action="plan",
             subject=e.key,
-            to_state=EffectState.PENDING.value,
-            detail={"kind": kind.value, "name": e.name, "provider": e.provider, "action": e.action},
+            to_state=EffectState.PENDING._value_,
+            detail={
+                "kind": kind._value_,
+                "name": e.name,
+                "provider": e.provider,
+                "action": e.action,
+            },
         )
     if claim_first is None:
         return None
@@ -478,8 +483,8 @@ def _logged(work: Work, chain: Chain, claim_: Claim) -> Claim:
         chain,
         action="claim",
         subject=claim_.key,
-        from_state=claim_.previous.value,
-        to_state=EffectState.EXECUTING.value,
+        from_state=claim_.previous._value_,
+        to_state=EffectState.EXECUTING._value_,
         detail={"fence": claim_.fence, "owner": claim_.owner, "attempt": claim_.attempts},
     )
     return claim_
@@ -580,8 +585,8 @@ async def claim_fresh(
     await work.write(
         stmt,
         params,
-        lost=LeaseLost(f"{known.kind.value} {known.key} (changed under its holder)", tx_fence),
-        row=(known.kind.value, known.key),
+        lost=LeaseLost(f"{known.kind._value_} {known.key} (changed under its holder)", tx_fence),
+        row=(known.kind._value_, known.key),
     )
     return _logged(
         work,
@@ -625,7 +630,7 @@ async def record(
     params: dict[str, Any] = {
         "p_key": claim_.key,
         "p_fence": claim_.fence,
-        "p_state": to_state.value,
+        "p_state": to_state._value_,
         "p_lookups": lookups,
         "p_updated_at": work.now_ms,
     }
@@ -650,8 +655,8 @@ async def record(
     await work.write(
         stmt,
         params,
-        lost=LeaseLost(f"{claim_.kind.value} {claim_.key}", claim_.fence),
-        row=(claim_.kind.value, claim_.key),
+        lost=LeaseLost(f"{claim_.kind._value_} {claim_.key}", claim_.fence),
+        row=(claim_.kind._value_, claim_.key),
     )
     log_detail: dict[str, Any] = {"fence": claim_.fence, **(detail or {})}
     if remote_id is not None:
@@ -662,8 +667,8 @@ async def record(
         chain,
         action=action,
         subject=claim_.key,
-        from_state=EffectState.EXECUTING.value,
-        to_state=to_state.value,
+        from_state=EffectState.EXECUTING._value_,
+        to_state=to_state._value_,
         detail=log_detail,
     )
 

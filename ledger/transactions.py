@@ -187,7 +187,7 @@ async def insert(
             "saga_name": saga_name,
             "business_key": business_key,
             "inputs": dict(inputs),
-            "status": status.value,
+            "status": status._value_,
             "attempts": 1 if owner is not None else 0,
             "next_attempt_at": None,
             "error": None,
@@ -201,7 +201,7 @@ async def insert(
     work.log(
         chain,
         action="prepare",
-        to_state=TxState.PREPARED.value,
+        to_state=TxState.PREPARED._value_,
         detail={
             "saga": saga_name,
             "definition": definition_digest,
@@ -210,7 +210,9 @@ async def insert(
         },
     )
     if start:
-        work.log(chain, action="start", from_state=TxState.PREPARED.value, to_state=status.value)
+        work.log(
+            chain, action="start", from_state=TxState.PREPARED._value_, to_state=status._value_
+        )
     return TxClaim(tx_id=tx_id, fence=int(lease["fence"]), status=status, owner=owner or "")
 
 
@@ -378,8 +380,8 @@ async def transition(
     params: dict[str, Any] = {
         "p_tx_id": txc.tx_id,
         "p_fence": txc.fence,
-        "p_from": txc.status.value,
-        "p_status": to_state.value,
+        "p_from": txc.status._value_,
+        "p_status": to_state._value_,
         "p_updated_at": work.now_ms,
     }
     # error: set (1), cleared (2) or left alone (0)
@@ -405,9 +407,9 @@ async def transition(
         last = index == len(path) - 2
         work.log(
             chain,
-            action=action if last else str(b.value),
-            from_state=a.value,
-            to_state=b.value,
+            action=action if last else str(b._value_),
+            from_state=a._value_,
+            to_state=b._value_,
             detail=(
                 {**(detail or {}), **({"error": dict(error)} if error else {})} if last else None
             ),

@@ -170,7 +170,7 @@ class SagaRun:
         return {
             "tx_id": self.tx_id,
             "kind": "record",
-            "state": decision.state.value,
+            "state": decision.state._value_,
             "next": claim.name if claim else None,
         }
 
@@ -234,7 +234,7 @@ class SagaRun:
         m = self.services.metrics
         if m is None:
             return
-        m.effect_recorded(claim.kind.value, decision.state.value)
+        m.effect_recorded(claim.kind._value_, decision.state._value_)
         if decision.lookups:
             m.reconciles.inc(decision.lookups)
 

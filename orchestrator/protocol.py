@@ -96,7 +96,7 @@ async def decide(
 ) -> Decision:
     """Lookup-first when the effect may have been sent, then apply; never writes our store."""
     ctx = {
-        "kind": claim.kind.value,
+        "kind": claim.kind._value_,
         "name": claim.name,
         "tx_id": claim.tx_id,
         "key": claim.key,
@@ -221,7 +221,7 @@ async def decide(
     if bound is not None:
         bound.info("apply", outcome=type(outcome).__name__)
     if isinstance(outcome, FencedOut):
-        raise LeaseLost(f"{claim.kind.value} {claim.key} (provider)", claim.fence)
+        raise LeaseLost(f"{claim.kind._value_} {claim.key} (provider)", claim.fence)
     if isinstance(outcome, Confirmed):
         return Decision(
             EffectState.CONFIRMED,
