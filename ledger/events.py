@@ -192,12 +192,26 @@ async def current_states(conn: AsyncConnection, tx_id: str) -> dict[str | None, 
 
 
 async def verify(conn: AsyncConnection, tx_id: str | None = None) -> list[LedgerProblem]:
-    """Verify the hash chain and the replay of one transaction (or all of them)."""
+    """Verify the hash chain and the replay of one transaction (or all of them).
+
+    Verifying all of them also reports entries whose transaction does not exist: on PostgreSQL
+    no foreign key refuses such an entry at insert (migration 0007), so this is where one would
+    show."""
+    problems: list[LedgerProblem] = []
     if tx_id is None:
         ids = list((await conn.execute(select(transactions.c.tx_id))).scalars().all())
+        orphans = (
+            select(ledger.c.tx_id)
+            .where(
+                ~select(transactions.c.tx_id).where(transactions.c.tx_id == ledger.c.tx_id).exists()
+            )
+            .distinct()
+            .order_by(ledger.c.tx_id)
+        )
+        for orphan in (await conn.execute(orphans)).scalars():
+            problems.append(LedgerProblem(orphan, None, "ledger entries for no transaction"))
     else:
         ids = [tx_id]
-    problems: list[LedgerProblem] = []
     for tid in ids:
         entries = await read(conn, tid)
         if tx_id is not None and not entries:

@@ -30,6 +30,7 @@ from sqlalchemy import (
     CheckConstraint,
     Column,
     ForeignKey,
+    ForeignKeyConstraint,
     Index,
     Integer,
     MetaData,
@@ -282,7 +283,7 @@ ledger = Table(
     "ledger",
     metadata,
     Column("seq", SeqId, primary_key=True, autoincrement=True),
-    Column("tx_id", String(64), ForeignKey("transactions.tx_id"), nullable=False),
+    Column("tx_id", String(64), nullable=False),
     Column("subject", String(64), nullable=True),  # op_key / event_key, or NULL for the tx itself
     Column("action", String(64), nullable=False),
     Column("from_state", String(32), nullable=True),
@@ -293,7 +294,11 @@ ledger = Table(
     Column("hash", String(64), nullable=False),
     # One successor per link: two writers appending to the same chain cannot fork it.
     UniqueConstraint("tx_id", "prev_hash"),
+    # SQLite only: on PostgreSQL each inserted row ran the key's check as a locking query, and
+    # no transaction is ever deleted (migration 0007 says why it was dropped there).
+    ForeignKeyConstraint(["tx_id"], ["transactions.tx_id"]).ddl_if(dialect="sqlite"),
 )
+_ONLY_ON["sqlite"].add("fk_ledger_tx_id_transactions")
 # PostgreSQL only: on SQLite ``seq`` is the rowid, which every entry of the (tx_id, prev_hash)
 # index above already carries (migration 0004 says why it was dropped there).
 Index("ix_ledger_tx_seq", ledger.c.tx_id, ledger.c.seq).ddl_if(dialect="postgresql")
@@ -301,8 +306,9 @@ _ONLY_ON["postgresql"].add("ix_ledger_tx_seq")
 
 
 def exists_on(dialect: str, name: str | None) -> bool:
-    """Whether an object of :data:`metadata` (an index or a CHECK: names are unique across
-    kinds) exists on that backend, for Alembic's ``include_object`` and the schema tests."""
+    """Whether an object of :data:`metadata` (an index, a CHECK or a foreign key: names are
+    unique across kinds) exists on that backend, for Alembic's ``include_object`` and the
+    schema tests."""
     return not any(name in names for other, names in _ONLY_ON.items() if other != dialect)
 
 

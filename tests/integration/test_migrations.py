@@ -22,11 +22,21 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy import CheckConstraint, Connection, event, insert, inspect, select, text, update
+from sqlalchemy import (
+    CheckConstraint,
+    Connection,
+    event,
+    func,
+    insert,
+    inspect,
+    select,
+    text,
+    update,
+)
 from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-from ledger import dialects, migrate, schema
+from ledger import dialects, events, migrate, schema
 from ledger.errors import MigrationFailed, SchemaOutdated
 from ledger.states import EffectState
 
@@ -338,18 +348,101 @@ async def test_ledger_insert_still_allowed(engine: AsyncEngine) -> None:
     assert [r["seq"] for r in await _ledger_rows(engine)] == [1, 2]
 
 
-@pytest.mark.parametrize("sql", ["TRUNCATE ledger", "TRUNCATE transactions CASCADE"])
+@pytest.mark.parametrize(
+    ("sql", "refusal"),
+    [
+        ("TRUNCATE ledger", "append-only"),
+        # Migration 0007: the transactions' own trigger, where the ledger's key used to cascade.
+        ("TRUNCATE transactions CASCADE", "transactions are kept"),
+    ],
+)
 async def test_ledger_truncate_refused_on_postgres(
-    engine: AsyncEngine, backend: str, sql: str
+    engine: AsyncEngine, backend: str, sql: str, refusal: str
 ) -> None:
     if backend != "postgres":
         pytest.skip("SQLite has no TRUNCATE (DELETE is covered above)")
     await _seed_ledger(engine)
     before = await _ledger_rows(engine)
-    with pytest.raises(IntegrityError, match="append-only"):
+    with pytest.raises(IntegrityError, match=refusal):
         async with engine.begin() as conn:
             await conn.execute(text(sql))
     assert await _ledger_rows(engine) == before
+    async with engine.connect() as conn:
+        assert await conn.scalar(select(func.count()).select_from(schema.transactions)) == 1
+
+
+def _orphan_entry(tx_id: str) -> dict[str, Any]:
+    return {
+        "tx_id": tx_id,
+        "subject": None,
+        "action": "prepare",
+        "from_state": None,
+        "to_state": "prepared",
+        "detail": "{}",
+        "created_at": 1,
+        "prev_hash": "0" * 64,
+        "hash": "f" * 64,
+    }
+
+
+async def test_a_transaction_with_ledger_entries_cannot_be_deleted(engine: AsyncEngine) -> None:
+    # SQLite: the ledger's foreign key refuses it. PostgreSQL (migration 0007): no key, and the
+    # transactions' statement trigger refuses any DELETE.
+    await _seed_ledger(engine)
+    with pytest.raises(IntegrityError):
+        async with engine.begin() as conn:
+            await conn.execute(text("DELETE FROM transactions WHERE tx_id = 'tx1'"))
+    async with engine.connect() as conn:
+        assert await conn.scalar(select(func.count()).select_from(schema.transactions)) == 1
+
+
+async def test_an_entry_for_no_transaction_is_refused_or_reported(
+    engine: AsyncEngine, backend: str
+) -> None:
+    await _seed_ledger(engine)
+    if backend == "sqlite":
+        with pytest.raises(IntegrityError, match="FOREIGN KEY"):
+            await _insert(engine, schema.ledger, _orphan_entry("ghost"))
+        return
+    # PostgreSQL has no key to refuse it at insert (migration 0007); verify reports it.
+    await _insert(engine, schema.ledger, _orphan_entry("ghost"))
+    async with engine.connect() as conn:
+        problems = await events.verify(conn)
+    assert ("ghost", None, "ledger entries for no transaction") in [
+        (p.tx_id, p.seq, p.problem) for p in problems
+    ]
+    assert all(p.tx_id != "tx1" or "no transaction" not in p.problem for p in problems)
+
+
+async def test_0007_drops_the_ledger_key_on_postgresql_only_and_goes_back(
+    make_engine: EngineFactory, backend: str
+) -> None:
+    eng = make_engine("recipe" if backend == "sqlite" else "store")
+    await migrate.upgrade(eng, "0006")
+    await _seed_ledger(eng)
+    assert await _ledger_foreign_keys(eng) == {"fk_ledger_tx_id_transactions"}
+
+    await migrate.upgrade(eng, "0007")
+    kept = await _ledger_foreign_keys(eng)
+    assert kept == (set() if backend == "postgres" else {"fk_ledger_tx_id_transactions"})
+    assert len(await _ledger_rows(eng)) == 1
+
+    await migrate.downgrade(eng, "0006")
+    assert await _ledger_foreign_keys(eng) == {"fk_ledger_tx_id_transactions"}
+    if backend == "postgres":
+        async with eng.connect() as conn:
+            left = await conn.scalar(
+                text("SELECT count(*) FROM pg_trigger WHERE tgname LIKE 'transactions_kept_%'")
+            )
+        assert left == 0
+    with pytest.raises(IntegrityError):  # the key refuses an entry for no transaction again
+        await _insert(eng, schema.ledger, _orphan_entry("ghost"))
+
+
+async def _ledger_foreign_keys(engine: AsyncEngine) -> set[str]:
+    async with engine.connect() as conn:
+        keys = await conn.run_sync(lambda c: inspect(c).get_foreign_keys("ledger"))
+    return {str(k["name"]) for k in keys}
 
 
 # -- CHECK constraints and the business key -----------------------------------------------------
@@ -808,7 +901,7 @@ async def test_0006_refused_leaves_0005_and_says_why(
     eng = make_engine("recipe" if backend == "sqlite" else "store")
     await migrate.upgrade(eng, "0005")
     if backend == "sqlite":  # 0006 changes nothing on SQLite: nothing there to refuse
-        await migrate.upgrade(eng)
+        await migrate.upgrade(eng, "0006")
         assert await migrate.current_revision(eng) == "0006"
         return
     async with eng.begin() as conn:  # someone else's function where 0006 creates its own
