@@ -33,6 +33,7 @@ from rich.console import Console
 from rich.table import Table
 
 from fault_injection.bench import PROVIDERS, BenchConfig, BenchResult, run_bench
+from fault_injection.steal import read_cpu_times, stolen_share
 
 app = typer.Typer(
     help="Benchmark the order saga end to end.",
@@ -190,6 +191,11 @@ def bench(
         raise typer.Exit(1)
 
 
+def _steal(share: float | None) -> str:
+    # The machine's stolen CPU time during one half of a pair (fault_injection.steal).
+    return "" if share is None else f", steal {share:.0%}"
+
+
 def _compare(
     config: BenchConfig, db: str | None, pairs: int, dbos_sqlite: str, out: Console
 ) -> tuple[dict[str, Any], bool]:
@@ -199,7 +205,9 @@ def _compare(
     done: list[ComparePair] = []
     with tempfile.TemporaryDirectory(prefix="bench-dbos-") as tmp:
         for i in range(pairs):
+            start = read_cpu_times()
             ours = asyncio.run(run_bench(config, db=db))
+            middle = read_cpu_times()
             theirs = run_dbos(
                 db,
                 Path(tmp),
@@ -208,15 +216,20 @@ def _compare(
                 warmup=config.warmup,
                 sqlite_tuning="fast" if dbos_sqlite == "fast" else "default",
             )
-            pair = ComparePair(ours, theirs)
+            pair = ComparePair(
+                ours,
+                theirs,
+                steal=stolen_share(start, middle),
+                dbos_steal=stolen_share(middle, read_cpu_times()),
+            )
             done.append(pair)
             out.print(
                 f"pair {i + 1}/{pairs} · {ours.backend} · C={config.concurrency}: "
                 f"ours {ours.sagas_per_s:,.1f} sagas/s ({ours.cpu_ms_per_saga:.1f} ms CPU, "
-                f"{_num(ours.commits_per_saga, '.2f')} commits) · DBOS "
+                f"{_num(ours.commits_per_saga, '.2f')} commits{_steal(pair.steal)}) · DBOS "
                 f"{theirs.sagas_per_s:,.1f} workflows/s ({theirs.cpu_ms_per_saga:.1f} ms CPU, "
-                f"{theirs.commits_per_saga:.2f} commits, {theirs.settings}) · "
-                f"ratio {pair.ratio:.2f}x"
+                f"{theirs.commits_per_saga:.2f} commits, {theirs.settings}"
+                f"{_steal(pair.dbos_steal)}) · ratio {pair.ratio:.2f}x"
             )
             for problem in [*ours.check.problems, *theirs.problems]:
                 out.print(f"  [red]check FAILED[/]: {problem}")

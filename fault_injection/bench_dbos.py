@@ -310,6 +310,10 @@ class ComparePair:
 
     ours: Any  # fault_injection.bench.BenchResult (not imported: no cycle, no dbos import there)
     dbos: DbosResult
+    #: The machine's stolen share of CPU time during each half (``fault_injection.steal``);
+    #: ``None`` where it cannot be read.
+    steal: float | None = None
+    dbos_steal: float | None = None
 
     @property
     def ratio(self) -> float:
@@ -339,6 +343,8 @@ def compare_json(pairs: list[ComparePair]) -> dict[str, Any]:
             "ratio_vs_dbos": p.ratio,
             "cpu_ms_per_saga": p.ours.cpu_ms_per_saga,
             "dbos_cpu_ms_per_saga": p.dbos.cpu_ms_per_saga,
+            "steal_share": p.steal,
+            "dbos_steal_share": p.dbos_steal,
         }
         for p in pairs
     ]

@@ -20,6 +20,7 @@ from fault_injection.bench_cli import app
 from fault_injection.bench_dbos import dbos_available
 from fault_injection.contract_checks import check_provider_contract
 from fault_injection.harness import DatabasePair
+from fault_injection.steal import read_cpu_times
 from providers.contract import Confirmed, FencedOut, Rejected
 from providers.memory import MemoryShop
 from tests.conftest import DbUrls
@@ -206,6 +207,10 @@ def test_bench_cli_compare_dbos_writes_ratio(tmp_path: Path) -> None:
         data["pairs"][0]["sagas_per_s"] / data["pairs"][0]["dbos_sagas_per_s"]
     )
     assert data["check_ok"] is True
+    if read_cpu_times() is not None:  # Linux: each half's stolen share is reported
+        assert "steal " in got.output
+        for key in ("steal_share", "dbos_steal_share"):
+            assert 0.0 <= data["pairs"][0][key] <= 1.0
 
 
 @pytest.mark.parametrize(
