@@ -4,7 +4,7 @@
 
     agent-txn bench [--db URL] [--sagas N] [--concurrency C] [--workers W] [--recovery]
         [--provider memory|fake|http] [--latency-ms L] [--warmup W] [--json PATH]
-        [--compare dbos [--pairs P] [--dbos-sqlite fast|default]]
+        [--compare dbos [--pairs P] [--dbos-sqlite fast|default] [--match-time]]
         [--sqlite-synchronous FULL|NORMAL] [--driver-seconds S]
 
 ``--db`` omitted runs on fresh SQLite files in a temporary folder; a PostgreSQL URL names the
@@ -23,6 +23,7 @@ order saga, which the orchestrator layer must not import; it is plugged in throu
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import tempfile
 from pathlib import Path
@@ -137,6 +138,14 @@ def bench(
     dbos_sqlite: Annotated[
         str, typer.Option(help="DBOS on SQLite: fast (WAL + NORMAL) | default (as DBOS sets it).")
     ] = "fast",
+    match_time: Annotated[
+        bool,
+        typer.Option(
+            "--match-time",
+            help="With --compare: from the second pair on, our half runs as many sagas as fit "
+            "in DBOS's last half (at most 20 x --sagas), so both halves last about as long.",
+        ),
+    ] = False,
 ) -> None:
     """Run the order saga (reserve + charge, receipt via the outbox) and report its costs."""
     from fault_injection.cli import checked_db
@@ -154,6 +163,8 @@ def bench(
         if provider != "fake":
             raise _usage(out, "--recovery runs the fleet's fake shop: add --provider fake")
         workers = workers or 1
+    if match_time and compare is None:
+        raise _usage(out, "--match-time sizes the halves of --compare dbos pairs: add --compare")
     if compare is not None:
         if compare != "dbos":
             raise _usage(out, "--compare takes one value: dbos")
@@ -184,7 +195,7 @@ def bench(
         data = result.as_json()
         ok = result.check.ok
     else:
-        data, ok = _compare(config, db, pairs, dbos_sqlite, out)
+        data, ok = _compare(config, db, pairs, dbos_sqlite, out, match_time=match_time)
     if json_path is not None:
         json_path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
     if not ok:
@@ -197,16 +208,24 @@ def _steal(share: float | None) -> str:
 
 
 def _compare(
-    config: BenchConfig, db: str | None, pairs: int, dbos_sqlite: str, out: Console
+    config: BenchConfig,
+    db: str | None,
+    pairs: int,
+    dbos_sqlite: str,
+    out: Console,
+    *,
+    match_time: bool = False,
 ) -> tuple[dict[str, Any], bool]:
-    """Ours, then DBOS's, ``pairs`` times in this process; the ratio printed per pair."""
-    from fault_injection.bench_dbos import ComparePair, compare_json, run_dbos
+    """Ours, then DBOS's, ``pairs`` times in this process; the ratio printed per pair.
+    ``match_time``: our half's size follows DBOS's last half (:func:`matched_sagas`)."""
+    from fault_injection.bench_dbos import ComparePair, compare_json, matched_sagas, run_dbos
 
     done: list[ComparePair] = []
+    ours_sagas = config.sagas
     with tempfile.TemporaryDirectory(prefix="bench-dbos-") as tmp:
         for i in range(pairs):
             start = read_cpu_times()
-            ours = asyncio.run(run_bench(config, db=db))
+            ours = asyncio.run(run_bench(dataclasses.replace(config, sagas=ours_sagas), db=db))
             middle = read_cpu_times()
             theirs = run_dbos(
                 db,
@@ -223,9 +242,12 @@ def _compare(
                 dbos_steal=stolen_share(middle, read_cpu_times()),
             )
             done.append(pair)
+            if match_time:
+                ours_sagas = matched_sagas(config.sagas, theirs.elapsed_s, ours.sagas_per_s)
+            size = f" over {ours.sagas:,} sagas" if match_time else ""
             out.print(
                 f"pair {i + 1}/{pairs} · {ours.backend} · C={config.concurrency}: "
-                f"ours {ours.sagas_per_s:,.1f} sagas/s ({ours.cpu_ms_per_saga:.1f} ms CPU, "
+                f"ours {ours.sagas_per_s:,.1f} sagas/s{size} ({ours.cpu_ms_per_saga:.1f} ms CPU, "
                 f"{_num(ours.commits_per_saga, '.2f')} commits{_steal(pair.steal)}) · DBOS "
                 f"{theirs.sagas_per_s:,.1f} workflows/s ({theirs.cpu_ms_per_saga:.1f} ms CPU, "
                 f"{theirs.commits_per_saga:.2f} commits, {theirs.settings}"

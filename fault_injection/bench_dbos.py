@@ -304,6 +304,21 @@ def run_dbos(
     )
 
 
+#: ``--match-time``: our half never runs more than this many times ``--sagas``.
+MATCH_CAP = 20
+
+
+def matched_sagas(sagas: int, dbos_seconds: float, ours_per_s: float) -> int:
+    """How many sagas our next half runs so that it lasts about as long as DBOS's last half
+    did at our last rate: at least ``sagas``, at most :data:`MATCH_CAP` times it.
+
+    Why: with the same N, our half lasts a tenth of DBOS's, so the two halves of a pair sample
+    a virtual machine's stolen time (``fault_injection.steal``) very unevenly; halves of about
+    equal length see about the same. More sagas only makes our tables larger, never easier."""
+    wanted = round(dbos_seconds * ours_per_s)
+    return max(sagas, min(MATCH_CAP * sagas, wanted))
+
+
 @dataclass
 class ComparePair:
     """One pair: our run, then DBOS's, and ours ÷ theirs."""
@@ -338,6 +353,8 @@ def compare_json(pairs: list[ComparePair]) -> dict[str, Any]:
     data["check_ok"] = data["dbos_check_ok"] and all(p.ours.check.ok for p in pairs)
     data["pairs"] = [
         {
+            "sagas": p.ours.sagas,
+            "dbos_sagas": p.dbos.sagas,
             "sagas_per_s": p.ours.sagas_per_s,
             "dbos_sagas_per_s": p.dbos.sagas_per_s,
             "ratio_vs_dbos": p.ratio,

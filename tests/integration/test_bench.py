@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 from fault_injection import bench_steady
 from fault_injection.bench import BenchConfig, run_bench
 from fault_injection.bench_cli import app
-from fault_injection.bench_dbos import dbos_available
+from fault_injection.bench_dbos import MATCH_CAP, dbos_available, matched_sagas
 from fault_injection.contract_checks import check_provider_contract
 from fault_injection.harness import DatabasePair
 from fault_injection.steal import read_cpu_times
@@ -104,6 +104,7 @@ def test_bench_cli_refuses_unknown_provider() -> None:
         ["--workers", "2"],  # SQLite: worker processes need PostgreSQL
         ["--recovery", "--provider", "memory"],  # recovery runs the fleet's fake shop
         ["--compare", "temporal"],
+        ["--match-time"],  # sizes the halves of a DBOS comparison: nothing to match alone
     ],
 )
 def test_bench_cli_refuses_bad_mode_combinations(args: list[str]) -> None:
@@ -207,6 +208,7 @@ def test_bench_cli_compare_dbos_writes_ratio(tmp_path: Path) -> None:
         data["pairs"][0]["sagas_per_s"] / data["pairs"][0]["dbos_sagas_per_s"]
     )
     assert data["check_ok"] is True
+    assert data["pairs"][0]["sagas"] == data["pairs"][0]["dbos_sagas"] == 5
     if read_cpu_times() is not None:  # Linux: each half's stolen share is reported
         assert "steal " in got.output
         for key in ("steal_share", "dbos_steal_share"):
@@ -287,3 +289,36 @@ async def test_steady_workload_runs_every_saga_once(db_urls: DbUrls) -> None:
         "email.send": expected,
         "payments.refund": 0,
     }
+
+
+@pytest.mark.skipif(not dbos_available(), reason="dbos is not installed (extra: bench)")
+def test_bench_cli_match_time_sizes_our_half_from_dboss_last(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    got = CliRunner().invoke(
+        app,
+        [
+            *("--compare", "dbos", "--pairs", "2", "--sagas", "5", "--warmup", "1"),
+            *("--match-time", "--driver-seconds", "0.1", "--json", str(out)),
+        ],
+    )
+    assert got.exit_code == 0, got.output
+    first, second = json.loads(out.read_text())["pairs"]
+    assert first["sagas"] == 5  # nothing to match yet
+    assert second["dbos_sagas"] == 5  # DBOS's half keeps --sagas
+    # Ours runs several times faster than DBOS, so its second half is larger, up to the cap.
+    assert 5 < second["sagas"] <= MATCH_CAP * 5
+    assert f" sagas/s over {second['sagas']:,} sagas " in got.output
+
+
+@pytest.mark.parametrize(
+    ("dbos_seconds", "ours_per_s", "expected"),
+    [
+        (10.0, 500.0, 5000),  # our half as long as DBOS's: 10 s at 500 sagas/s
+        (0.5, 500.0, 1000),  # never fewer than --sagas
+        (100.0, 500.0, 20_000),  # never more than MATCH_CAP times --sagas
+    ],
+)
+def test_matched_sagas_fill_dboss_time_within_bounds(
+    dbos_seconds: float, ours_per_s: float, expected: int
+) -> None:
+    assert matched_sagas(1000, dbos_seconds, ours_per_s) == expected
