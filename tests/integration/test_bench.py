@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 from fault_injection import bench_steady
 from fault_injection.bench import BenchConfig, run_bench
 from fault_injection.bench_cli import app
-from fault_injection.bench_dbos import MATCH_CAP, dbos_available, matched_sagas
+from fault_injection.bench_dbos import MATCH_CAP, dbos_available
 from fault_injection.contract_checks import check_provider_contract
 from fault_injection.harness import DatabasePair
 from fault_injection.steal import read_cpu_times
@@ -308,17 +308,3 @@ def test_bench_cli_match_time_sizes_our_half_from_dboss_last(tmp_path: Path) -> 
     # Ours runs several times faster than DBOS, so its second half is larger, up to the cap.
     assert 5 < second["sagas"] <= MATCH_CAP * 5
     assert f" sagas/s over {second['sagas']:,} sagas " in got.output
-
-
-@pytest.mark.parametrize(
-    ("dbos_seconds", "ours_per_s", "expected"),
-    [
-        (10.0, 500.0, 5000),  # our half as long as DBOS's: 10 s at 500 sagas/s
-        (0.5, 500.0, 1000),  # never fewer than --sagas
-        (100.0, 500.0, 20_000),  # never more than MATCH_CAP times --sagas
-    ],
-)
-def test_matched_sagas_fill_dboss_time_within_bounds(
-    dbos_seconds: float, ours_per_s: float, expected: int
-) -> None:
-    assert matched_sagas(1000, dbos_seconds, ours_per_s) == expected
