@@ -21,7 +21,14 @@ from sqlalchemy import ARRAY, String, bindparam, func, select, true
 from sqlalchemy.ext.asyncio import AsyncConnection
 from sqlalchemy.sql import Select
 
-from ledger.schema import compensation_steps, ledger, operations, outbox, transactions
+from ledger.schema import (
+    compensation_steps,
+    ledger,
+    operations,
+    outbox,
+    saga_definitions,
+    transactions,
+)
 from ledger.store import GENESIS_HASH, Chain, ledger_hash
 
 
@@ -191,25 +198,45 @@ async def current_states(conn: AsyncConnection, tx_id: str) -> dict[str | None, 
     return states
 
 
+#: (child table's key column, parent key column, what an orphan is called) for every key that
+#: PostgreSQL does not enforce (``ledger.schema._sqlite_key``).
+_PARENTS = (
+    (ledger.c.tx_id, transactions.c.tx_id, "ledger entries for no transaction"),
+    (operations.c.tx_id, transactions.c.tx_id, "operations for no transaction"),
+    (compensation_steps.c.tx_id, transactions.c.tx_id, "compensation steps for no transaction"),
+    (outbox.c.tx_id, transactions.c.tx_id, "outbox events for no transaction"),
+    (transactions.c.definition_digest, saga_definitions.c.digest, "a transaction of no definition"),
+)
+
+
+async def _orphans(conn: AsyncConnection) -> list[tuple[str, str]]:
+    """``(tx_id, problem)`` for each transaction with rows whose parent does not exist (for a
+    transaction of no definition: its own id), in id order per kind."""
+    found: list[tuple[str, str]] = []
+    for child, parent, what in _PARENTS:
+        tx_column = child.table.c.tx_id
+        query = (
+            select(tx_column)
+            .where(~select(parent).where(parent == child).exists())
+            .distinct()
+            .order_by(tx_column)
+        )
+        found.extend((orphan, what) for orphan in (await conn.execute(query)).scalars())
+    return found
+
+
 async def verify(conn: AsyncConnection, tx_id: str | None = None) -> list[LedgerProblem]:
     """Verify the hash chain and the replay of one transaction (or all of them).
 
-    Verifying all of them also reports entries whose transaction does not exist: on PostgreSQL
-    no foreign key refuses such an entry at insert (migration 0007), so this is where one would
-    show."""
+    Verifying all of them also reports rows whose parent does not exist — ledger entries and
+    effects for no transaction, transactions of no registered definition: on PostgreSQL no
+    foreign key refuses such a row at insert (migrations 0007 and 0008), so this is where one
+    would show."""
     problems: list[LedgerProblem] = []
     if tx_id is None:
         ids = list((await conn.execute(select(transactions.c.tx_id))).scalars().all())
-        orphans = (
-            select(ledger.c.tx_id)
-            .where(
-                ~select(transactions.c.tx_id).where(transactions.c.tx_id == ledger.c.tx_id).exists()
-            )
-            .distinct()
-            .order_by(ledger.c.tx_id)
-        )
-        for orphan in (await conn.execute(orphans)).scalars():
-            problems.append(LedgerProblem(orphan, None, "ledger entries for no transaction"))
+        for orphan, what in await _orphans(conn):
+            problems.append(LedgerProblem(orphan, None, what))
     else:
         ids = [tx_id]
     for tid in ids:

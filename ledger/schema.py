@@ -122,16 +122,27 @@ def _row_rules(table: str, rules: list[CheckConstraint], postgresql: str) -> lis
     return [*rules, CheckConstraint(postgresql, name="rules").ddl_if(dialect="postgresql")]
 
 
+def _sqlite_key(table: str, column: str, target: str) -> ForeignKeyConstraint:
+    """A foreign key made on SQLite only.
+
+    Why: on PostgreSQL a foreign key is a trigger that runs ``SELECT 1 … FOR KEY SHARE`` on the
+    referred row for every row inserted, a query and a row lock; the hot path's keys to
+    ``transactions`` and ``saga_definitions`` ran 13 + 4 of them per saga (migrations 0007 and
+    0008 say what that cost). What they guarded holds without them there: nothing in
+    agent-txn deletes a transaction or a definition, statement triggers refuse ``DELETE`` and
+    ``TRUNCATE`` of both tables, and ``agent-txn ledger verify`` reports a row whose parent
+    does not exist. On SQLite a key is a primary-key probe compiled into the insert, with no
+    query and no lock, so it stays."""
+    name = f"fk_{table}_{column}_{target.split('.')[0]}"
+    _ONLY_ON["sqlite"].add(name)
+    return ForeignKeyConstraint([column], [target]).ddl_if(dialect="sqlite")
+
+
 transactions = Table(
     "transactions",
     metadata,
     Column("tx_id", String(64), primary_key=True),
-    Column(
-        "definition_digest",
-        String(64),
-        ForeignKey("saga_definitions.digest"),
-        nullable=False,
-    ),
+    Column("definition_digest", String(64), nullable=False),
     Column("saga_name", String(200), nullable=False),
     Column("business_key", String(256), nullable=True),
     Column("inputs", Json, nullable=False),
@@ -157,6 +168,7 @@ transactions = Table(
         ],
         "agent_txn_transaction_row_ok('transactions', status, fence)",
     ),
+    _sqlite_key("transactions", "definition_digest", "saga_definitions.digest"),
 )
 # A business intent has at most one live transaction: two idempotency keys for order 42 cannot
 # both charge it. Failed and compensated attempts are retired and no longer hold the key.
@@ -229,10 +241,11 @@ operations = Table(
     "operations",
     metadata,
     Column("op_key", String(64), primary_key=True),
-    Column("tx_id", String(64), ForeignKey("transactions.tx_id"), nullable=False),
+    Column("tx_id", String(64), nullable=False),
     Column("step", String(100), nullable=False),
     *_effect_columns(),
     *_effect_checks("operations"),
+    _sqlite_key("operations", "tx_id", "transactions.tx_id"),
     UniqueConstraint("tx_id", "step"),
 )
 
@@ -240,11 +253,12 @@ compensation_steps = Table(
     "compensation_steps",
     metadata,
     Column("op_key", String(64), primary_key=True),
-    Column("tx_id", String(64), ForeignKey("transactions.tx_id"), nullable=False),
+    Column("tx_id", String(64), nullable=False),
     Column("forward_op_key", String(64), ForeignKey("operations.op_key"), nullable=False),
     Column("step", String(100), nullable=False),  # the forward step's name
     *_effect_columns(),
     *_effect_checks("compensation_steps"),
+    _sqlite_key("compensation_steps", "tx_id", "transactions.tx_id"),
     UniqueConstraint("forward_op_key"),  # exactly one reversal per forward op
 )
 
@@ -252,10 +266,11 @@ outbox = Table(
     "outbox",
     metadata,
     Column("event_key", String(64), primary_key=True),
-    Column("tx_id", String(64), ForeignKey("transactions.tx_id"), nullable=False),
+    Column("tx_id", String(64), nullable=False),
     Column("kind", String(100), nullable=False),  # the event's name in the saga definition
     *_effect_columns(),
     *_effect_checks("outbox"),
+    _sqlite_key("outbox", "tx_id", "transactions.tx_id"),
     UniqueConstraint("tx_id", "kind"),
 )
 # operations and outbox are found by tx through their unique (tx_id, …) keys already.
@@ -296,9 +311,8 @@ ledger = Table(
     UniqueConstraint("tx_id", "prev_hash"),
     # SQLite only: on PostgreSQL each inserted row ran the key's check as a locking query, and
     # no transaction is ever deleted (migration 0007 says why it was dropped there).
-    ForeignKeyConstraint(["tx_id"], ["transactions.tx_id"]).ddl_if(dialect="sqlite"),
+    _sqlite_key("ledger", "tx_id", "transactions.tx_id"),
 )
-_ONLY_ON["sqlite"].add("fk_ledger_tx_id_transactions")
 # PostgreSQL only: on SQLite ``seq`` is the rowid, which every entry of the (tx_id, prev_hash)
 # index above already carries (migration 0004 says why it was dropped there).
 Index("ix_ledger_tx_seq", ledger.c.tx_id, ledger.c.seq).ddl_if(dialect="postgresql")

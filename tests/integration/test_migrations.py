@@ -439,6 +439,128 @@ async def test_0007_drops_the_ledger_key_on_postgresql_only_and_goes_back(
         await _insert(eng, schema.ledger, _orphan_entry("ghost"))
 
 
+def _orphan_rows() -> list[tuple[Any, dict[str, Any], str]]:
+    """One row of each kind whose parent does not exist, and what ``verify`` calls it."""
+    effect = {
+        "provider": "bank",
+        "action": "charge",
+        "ordinal": 0,
+        "state": "pending",
+        "updated_at": 1,
+        "tx_id": "ghost",
+    }
+    return [
+        (schema.operations, {**effect, "op_key": "op-ghost", "step": "charge"}, "operations"),
+        (schema.outbox, {**effect, "event_key": "ev-ghost", "kind": "receipt"}, "outbox events"),
+        (
+            schema.compensation_steps,
+            {**effect, "op_key": "comp-ghost", "forward_op_key": "op-real", "step": "charge"},
+            "compensation steps",
+        ),
+    ]
+
+
+@pytest.mark.parametrize("index", [0, 1, 2], ids=["operations", "outbox", "compensation_steps"])
+async def test_an_effect_for_no_transaction_is_refused_or_reported(
+    engine: AsyncEngine, backend: str, index: int
+) -> None:
+    await _seed_ledger(engine)
+    await _insert(engine, schema.operations, _op_row("op-real"))  # a compensation's forward op
+    table, row, kind = _orphan_rows()[index]
+    if backend == "sqlite":
+        with pytest.raises(IntegrityError, match="FOREIGN KEY"):
+            await _insert(engine, table, row)
+        return
+    # PostgreSQL has no key to refuse it at insert (migration 0008); verify reports it.
+    await _insert(engine, table, row)
+    async with engine.connect() as conn:
+        problems = [(p.tx_id, p.seq, p.problem) for p in await events.verify(conn)]
+    assert ("ghost", None, f"{kind} for no transaction") in problems
+    assert [p for p in problems if p[0] == "tx1" and "no transaction" in p[2]] == []
+
+
+async def test_a_transaction_of_no_definition_is_refused_or_reported(
+    engine: AsyncEngine, backend: str
+) -> None:
+    await _seed_ledger(engine)
+    if backend == "sqlite":
+        with pytest.raises(IntegrityError, match="FOREIGN KEY"):
+            await _seed_tx(engine, "tx-lost", definition_digest="e" * 64)
+        return
+    await _seed_tx(engine, "tx-lost", definition_digest="e" * 64)
+    async with engine.connect() as conn:
+        problems = [(p.tx_id, p.problem) for p in await events.verify(conn)]
+    assert ("tx-lost", "a transaction of no definition") in problems
+    assert ("tx1", "a transaction of no definition") not in problems
+
+
+@pytest.mark.parametrize(
+    "sql", ["DELETE FROM saga_definitions", "TRUNCATE saga_definitions CASCADE"]
+)
+async def test_a_definition_in_use_cannot_be_deleted(
+    engine: AsyncEngine, backend: str, sql: str
+) -> None:
+    # SQLite: the transaction's key refuses it. PostgreSQL (migration 0008): no key, and the
+    # definitions' statement triggers refuse any DELETE or TRUNCATE.
+    if backend == "sqlite" and sql.startswith("TRUNCATE"):
+        pytest.skip("SQLite has no TRUNCATE")
+    await _seed_ledger(engine)
+    with pytest.raises(IntegrityError, match="FOREIGN KEY" if backend == "sqlite" else "kept"):
+        async with engine.begin() as conn:
+            await conn.execute(text(sql))
+    async with engine.connect() as conn:
+        assert await conn.scalar(select(func.count()).select_from(schema.saga_definitions)) == 1
+
+
+async def test_0008_drops_the_hot_keys_on_postgresql_only_and_goes_back(
+    make_engine: EngineFactory, backend: str
+) -> None:
+    eng = make_engine("recipe" if backend == "sqlite" else "store")
+    await migrate.upgrade(eng, "0007")
+    await _seed_ledger(eng)
+    await _insert(eng, schema.operations, _op_row("op-real"))
+    every = await _hot_foreign_keys(eng)
+    assert every == HOT_KEYS
+
+    await migrate.upgrade(eng, "0008")
+    assert await _hot_foreign_keys(eng) == (set() if backend == "postgres" else HOT_KEYS)
+    async with eng.connect() as conn:
+        assert await conn.scalar(select(func.count()).select_from(schema.operations)) == 1
+
+    await migrate.downgrade(eng, "0007")
+    assert await _hot_foreign_keys(eng) == HOT_KEYS
+    if backend == "postgres":
+        async with eng.connect() as conn:
+            left = await conn.scalar(
+                text("SELECT count(*) FROM pg_trigger WHERE tgname LIKE 'saga_definitions_kept_%'")
+            )
+        assert left == 0
+    for table, row, _ in _orphan_rows()[:2]:  # the keys refuse an effect for no transaction again
+        with pytest.raises(IntegrityError):
+            await _insert(eng, table, row)
+
+
+#: The keys migration 0008 drops on PostgreSQL, by name.
+HOT_KEYS = {
+    "fk_transactions_definition_digest_saga_definitions",
+    "fk_operations_tx_id_transactions",
+    "fk_compensation_steps_tx_id_transactions",
+    "fk_outbox_tx_id_transactions",
+}
+
+
+async def _hot_foreign_keys(engine: AsyncEngine) -> set[str]:
+    tables = ("transactions", "operations", "compensation_steps", "outbox")
+
+    def names(conn: Any) -> set[str]:
+        inspector = inspect(conn)
+        return {str(k["name"]) for t in tables for k in inspector.get_foreign_keys(t)}
+
+    async with engine.connect() as conn:
+        found = await conn.run_sync(names)
+    return found - {"fk_compensation_steps_forward_op_key_operations"}  # kept everywhere
+
+
 async def _ledger_foreign_keys(engine: AsyncEngine) -> set[str]:
     async with engine.connect() as conn:
         keys = await conn.run_sync(lambda c: inspect(c).get_foreign_keys("ledger"))
