@@ -9,6 +9,7 @@ and exactly one reserve, charge and email per saga at the provider.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -188,7 +189,16 @@ async def test_bench_recovery_drives_in_doubt_sagas_to_terminal(db_urls: DbUrls)
     assert result.sagas_per_s > 0
 
 
+@pytest.fixture
+def dbos_console(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DBOS's console log handlers set aside for one test. DBOS makes its handler once, on the
+    ``sys.stderr`` of the moment (here a ``CliRunner``'s), and flushes it at every launch; a
+    second test's launch then met the first runner's closed stream."""
+    monkeypatch.setattr(logging.getLogger("dbos"), "handlers", [])
+
+
 @pytest.mark.skipif(not dbos_available(), reason="dbos is not installed (extra: bench)")
+@pytest.mark.usefixtures("dbos_console")
 def test_bench_cli_compare_dbos_writes_ratio(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     got = CliRunner().invoke(
@@ -292,6 +302,7 @@ async def test_steady_workload_runs_every_saga_once(db_urls: DbUrls) -> None:
 
 
 @pytest.mark.skipif(not dbos_available(), reason="dbos is not installed (extra: bench)")
+@pytest.mark.usefixtures("dbos_console")
 def test_bench_cli_match_time_sizes_our_half_from_dboss_last(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     got = CliRunner().invoke(
