@@ -6,16 +6,19 @@ mostly the socket write and the driver's per-call work around those four stateme
 (``docs/benchmarks.md``). Sagas in flight together produce many such statements at once, and
 those of the same transition (say, "record a step, claim the next") have the same SQL text. So
 when a statement's shape is already on its way to the server, the transactions that end with
-the same shape wait for it and are then sent together as one asyncpg ``executemany``: one
-prepared statement, one pipelined round trip, one implicit transaction, one commit. It is the
-SQLite commit group's idea (DESIGN "Commit economy"). A transaction alone in the store is
-sent at once, exactly as before, so a single saga is unchanged; with others open, an idle
+the same shape wait for it and are then sent together: as one execution of the statement's
+batch form (:class:`ledger.batched.BatchStatement`: every member's arguments in one JSON
+argument, so the server runs the statement once for all of them), or, for a statement without
+one, as one asyncpg ``executemany``. Either way one prepared statement, one round trip, one implicit
+transaction, one commit. It is the SQLite commit group's idea (DESIGN "Commit economy"). A
+transaction alone in the store is sent at once, exactly as before, so a single saga is
+unchanged; with others open, an idle
 shape's statement waits at most one turn of the event loop (below, "Two cohorts").
 
 Each member's transaction stays its own in every outcome that matters:
 
-* **Success**: ``executemany`` is atomic, so every member's writes are committed together,
-  each member's as a whole.
+* **Success**: the batch is atomic (one statement, or one ``executemany``), so every member's
+  writes are committed together, each member's as a whole.
 * **The server refuses the batch** (a stale fence's ``CAST``, a duplicate key, any SQL error):
   nothing of it was committed, and every member sends its own statement again, alone, on its
   own connection — so each learns its own outcome, with its own error, as if there had been
@@ -48,8 +51,8 @@ sender keeps two cohorts instead:
   its own connection, beside whatever batch of the shape is already in flight.
 
 One half's batch then runs on the server while the client runs the other half's continuations.
-Each member's outcome is decided exactly as before: a split batch is one more ``executemany``,
-with the same refusal and unknown-outcome rules.
+Each member's outcome is decided exactly as before: a split batch is one more batch, with the
+same refusal and unknown-outcome rules.
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ from typing import Any
 
 import asyncpg
 
+from ledger.batched import BatchStatement
 from ledger.errors import StoreUnavailable
 
 
@@ -102,10 +106,16 @@ class GroupSender:
     open write transactions; see the module's doc)."""
 
     def __init__(
-        self, grouped: Callable[[int], None], population: Callable[[], int] | None = None
+        self,
+        grouped: Callable[[int], None],
+        population: Callable[[], int] | None = None,
+        batch: Callable[[str], BatchStatement | None] = lambda _sql: None,
     ) -> None:
         #: Called with the number of member transactions whose commit rode on another's.
         self._grouped = grouped
+        #: A statement's batch statement (:class:`ledger.batched.BatchStatement`): a batch of it
+        #: then runs as one execution instead of an ``executemany`` (``None``: it has none).
+        self._batch = batch
         #: The number of write transactions open on the store, the sender's own included
         #: (``None``: one convoy, no holding or splitting; see the module's doc).
         self._population = population
@@ -212,7 +222,12 @@ class GroupSender:
         committed: bool | None = True  # None: unknown
         try:
             if len(rows) > 1:
-                await driver.executemany(sql, rows)
+                batch = self._batch(sql)
+                arguments = None if batch is None else batch.arguments(rows)
+                if batch is None or arguments is None:
+                    await driver.executemany(sql, rows)
+                else:
+                    await driver.execute(batch.sql, *arguments)
                 self._grouped(len(rows) - 1)
             else:
                 await driver.execute(sql, *rows[0])

@@ -160,13 +160,13 @@ class HotPath:
     ) -> None:
         self._dialect = dialect
         self._count = count
+        self._composer = batched.Composer()
         #: PostgreSQL: blind transactions of one shape in flight together share a commit.
-        self._groups = GroupSender(grouped, population)
+        self._groups = GroupSender(grouped, population, self._composer.batch)
         # (id of the statement object, parameter keys) -> compiled form, or None if ineligible.
         # The statement objects are the store's cached ones, alive as long as the store; the
         # entry holds the statement too, so an id is never reused while it is here.
         self._compiled: dict[tuple[int, tuple[str, ...]], tuple[Executable, Compiled | None]] = {}
-        self._composer = batched.Composer()
 
     def _lookup(self, stmt: Executable, keys: tuple[str, ...]) -> Compiled | None:
         entry = self._compiled.get((id(stmt), keys))

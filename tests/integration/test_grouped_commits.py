@@ -1,7 +1,8 @@
 """Concurrent local transactions sharing commits, on both backends: each keeps its own outcome.
 
-On PostgreSQL, blind transactions of one shape that end together are sent as one
-``executemany`` per half of the open transactions (ledger/grouped.py); on SQLite, transactions in
+On PostgreSQL, blind transactions of one shape that end together are sent as one execution
+of the statement's batch form per half of the open transactions (ledger/grouped.py,
+ledger/batched.py); on SQLite, transactions in
 flight together share one physical transaction (the commit group, test_group_commit.py). What
 could break: a member's writes committed only in part, or not at all while it was told they
 were; one member's stale fence or duplicate key failing the others, or being reported to the
@@ -12,6 +13,7 @@ holds every transaction at its end so that they meet).
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -167,16 +169,22 @@ async def test_grouped_commits_leave_in_two_cohorts_or_one_convoy(
     # Spied at the driver: which batches went to the server, round by round. With cohorts (the
     # default), eight transactions ending in one turn leave as two batches of four once their
     # shape has come in company; without (a worker's setting, orchestrator/workerproc.py), the
-    # first leaves alone and the seven queued behind it follow as one batch.
+    # first leaves alone and the seven queued behind it follow as one batch. Every batch is
+    # one execution of its batch statement (ledger/batched.py), whose JSON argument holds one
+    # element per member; none goes as an ``executemany``.
     sent: list[int] = []
-    executemany = asyncpg.Connection.executemany
+    execute = asyncpg.Connection.execute
 
-    async def spy(self: asyncpg.Connection, command: str, args: Any, **kw: Any) -> Any:
-        rows = list(args)
-        sent.append(len(rows))
-        return await executemany(self, command, rows, **kw)
+    async def spy(self: asyncpg.Connection, query: str, *args: Any, **kw: Any) -> Any:
+        if "jsonb_array_elements(" in query:
+            sent.append(len(json.loads(args[0])))  # one element per member
+        return await execute(self, query, *args, **kw)
 
-    monkeypatch.setattr(asyncpg.Connection, "executemany", spy)
+    async def refused(self: asyncpg.Connection, command: str, args: Any, **kw: Any) -> Any:
+        raise AssertionError(f"a batch went as executemany: {command[:60]}")
+
+    monkeypatch.setattr(asyncpg.Connection, "execute", spy)
+    monkeypatch.setattr(asyncpg.Connection, "executemany", refused)
     async with bare_store(db_urls.store, commit_cohorts=cohorts) as store:
         rounds = []
         for round_ in range(len(batches)):

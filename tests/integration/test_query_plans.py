@@ -24,18 +24,21 @@ from __future__ import annotations
 import asyncio
 import re
 import sqlite3
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import asyncpg
 import pytest
 from sqlalchemy.engine import make_url
 
-from ledger import events
+from ledger import events, transactions
 from ledger.states import TxState
+from ledger.store import Chain, Store, Work
 from orchestrator.engine import Orchestrator
 from providers.fake.faults import FaultKind, FaultRule
 from providers.fake.shop import FakeShop
 from tests.conftest import DbUrls, pg_connect
+from tests.support.bare_store import bare_store, insert_tx
 from tests.support.sagas import order, order_saga
 from tests.support.world import fast_settings
 
@@ -61,6 +64,13 @@ async def _in_call(orch: Orchestrator, shop: FakeShop) -> list[str]:
         result = await orch.execute(saga, order(f"plan-{n}"))
         assert result.status is TxState.COMMITTED
         tx_ids.append(result.tx_id)
+    # Sagas in flight together: their transactions of one shape leave in batches, each one
+    # execution of the statement's batch form (ledger/batched.py), planned here as well.
+    for round_ in range(3):
+        batch = [orch.execute(saga, order(f"plan-{round_}-{n}")) for n in range(8)]
+        for result in await asyncio.gather(*batch):
+            assert result.status is TxState.COMMITTED
+            tx_ids.append(result.tx_id)
     # A charge whose response is lost: unknown, the lookup, then a claim with RETURNING.
     shop.faults.add(FaultRule(FaultKind.LOSE_RESPONSE, provider="payments", times=1))
     result = await orch.execute(saga, order("plan-lost"))
@@ -119,12 +129,21 @@ async def test_saga_statements_read_no_table_whole(
     db_urls: DbUrls, shop: FakeShop, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     if db_urls.backend == "postgres":
-        await _check_postgres(db_urls, shop)
+        await _check_postgres(db_urls, shop, monkeypatch)
     else:
         await _check_sqlite(db_urls, shop, monkeypatch)
 
 
-async def _check_postgres(db_urls: DbUrls, shop: FakeShop) -> None:
+async def _check_postgres(db_urls: DbUrls, shop: FakeShop, monkeypatch: pytest.MonkeyPatch) -> None:
+    batches: list[str] = []
+    execute = asyncpg.Connection.execute
+
+    async def spy(self: asyncpg.Connection, query: str, *args: Any, **kw: Any) -> Any:
+        if "jsonb_array_elements(" in query:
+            batches.append(query)
+        return await execute(self, query, *args, **kw)
+
+    monkeypatch.setattr(asyncpg.Connection, "execute", spy)
     admin = await pg_connect(db_urls.store)
     try:
         database = make_url(db_urls.store).database
@@ -139,6 +158,7 @@ async def _check_postgres(db_urls: DbUrls, shop: FakeShop) -> None:
     finally:
         await orch.close()
     assert await _pg_rows_read_by_scans(db_urls.store, rows) == dict.fromkeys(HOT_TABLES, 0)
+    assert batches  # some of the sagas' transactions left together, as batch statements
 
     orch = await _open(db_urls, shop)
     try:
@@ -156,10 +176,14 @@ async def _check_postgres(db_urls: DbUrls, shop: FakeShop) -> None:
 async def _check_sqlite(db_urls: DbUrls, shop: FakeShop, monkeypatch: pytest.MonkeyPatch) -> None:
     traced: set[str] = set()
     connect = sqlite3.connect
+    store_path = make_url(db_urls.store).database
 
     def tracing(*args: Any, **kwargs: Any) -> sqlite3.Connection:
         conn = connect(*args, **kwargs)
-        conn.set_trace_callback(traced.add)  # the writer's statements and every reader's
+        if str(args[0] if args else kwargs.get("database")) == store_path:
+            # The writer's statements and every reader's; not the shop's (its own database,
+            # whose pool opens connections while the sagas run concurrently).
+            conn.set_trace_callback(traced.add)
         return conn
 
     monkeypatch.setattr(sqlite3, "connect", tracing)
@@ -201,3 +225,87 @@ async def _check_sqlite(db_urls: DbUrls, shop: FakeShop, monkeypatch: pytest.Mon
         assert [d for d in due_reads if not d[1]] == []
     finally:
         db.close()
+
+
+@pytest.mark.parametrize("backend", ["postgres"], indirect=True)
+async def test_batch_statements_read_no_table_whole(
+    db_urls: DbUrls, backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A batch of transactions of one shape runs as one statement over all its members
+    # (ledger/batched.py): an UPDATE joins the members to its table, and a plain join made
+    # on a young table is a sequential scan, kept by the generic plan as the table grows.
+    # Here every transaction of a round ends at once, so each round's inserts and then its
+    # fenced updates leave in batches, on a young database, planned generic from the start.
+    batches: list[str] = []
+    execute = asyncpg.Connection.execute
+
+    async def spy(self: asyncpg.Connection, query: str, *args: Any, **kw: Any) -> Any:
+        if "jsonb_array_elements(" in query:
+            batches.append(query)
+        return await execute(self, query, *args, **kw)
+
+    monkeypatch.setattr(asyncpg.Connection, "execute", spy)
+    admin = await pg_connect(db_urls.store)
+    try:
+        database = make_url(db_urls.store).database
+        await admin.execute(f'ALTER DATABASE "{database}" SET plan_cache_mode = force_generic_plan')
+    finally:
+        await admin.close()
+    members = 8
+    async with bare_store(db_urls.store) as store:
+        await _reset_scans(db_urls.store)
+        tx_ids: list[str] = []
+        for round_ in range(3):
+            ids = [f"tx-{round_}-{n}" for n in range(members)]
+            claims = await _all_at_once(store, [_inserting(i) for i in ids])
+            async with store.read() as conn:
+                chains = [await events.chain_of(conn, i) for i in ids]
+            await _all_at_once(
+                store,
+                [_failing(chain, claim) for chain, claim in zip(chains, claims, strict=True)],
+            )
+            tx_ids += ids
+        async with store.read() as conn:
+            rows = sum([len(await events.read(conn, tx_id)) for tx_id in tx_ids])
+            for tx_id in tx_ids:
+                record = await transactions.get(conn, tx_id)
+                assert record is not None and record.status is TxState.FAILED
+                assert await events.verify(conn, tx_id) == []
+    assert any("CROSS JOIN LATERAL" in q for q in batches)  # the updates', at least once
+    assert any("generate_series" in q for q in batches)  # the inserts' ledger rows
+    assert await _pg_rows_read_by_scans(db_urls.store, rows) == dict.fromkeys(HOT_TABLES, 0)
+
+
+async def _reset_scans(url: str) -> None:
+    conn = await pg_connect(url)
+    try:
+        await conn.execute("SELECT pg_stat_reset()")
+    finally:
+        await conn.close()
+
+
+async def _all_at_once(store: Store, bodies: list[Callable[[Work], Awaitable[Any]]]) -> list[Any]:
+    """One local transaction per body, all ending together; each body's result."""
+    at_end = asyncio.Barrier(len(bodies))
+
+    async def one(body: Callable[[Work], Awaitable[Any]]) -> Any:
+        async with store.transaction() as work:
+            result = await body(work)
+            await at_end.wait()
+        return result
+
+    return list(await asyncio.gather(*(one(b) for b in bodies)))
+
+
+def _inserting(tx_id: str) -> Callable[[Work], Awaitable[transactions.TxClaim]]:
+    async def body(work: Work) -> transactions.TxClaim:
+        return await insert_tx(work, tx_id)
+
+    return body
+
+
+def _failing(chain: Chain, claim: transactions.TxClaim) -> Callable[[Work], Awaitable[None]]:
+    async def body(work: Work) -> None:
+        await transactions.transition(work, chain, claim, TxState.FAILED, action="f")
+
+    return body
