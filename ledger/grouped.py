@@ -9,11 +9,11 @@ when a statement's shape is already on its way to the server, the transactions t
 the same shape wait for it and are then sent together: as one execution of the statement's
 batch form (:class:`ledger.batched.BatchStatement`: every member's arguments in one JSON
 argument, so the server runs the statement once for all of them), or, for a statement without
-one, as one asyncpg ``executemany``. Either way one prepared statement, one round trip, one implicit
-transaction, one commit. It is the SQLite commit group's idea (DESIGN "Commit economy"). A
-transaction alone in the store is sent at once, exactly as before, so a single saga is
-unchanged; with others open, an idle
-shape's statement waits at most one turn of the event loop (below, "Two cohorts").
+one, as one asyncpg ``executemany``. Either way one prepared statement, one round trip, one
+implicit transaction, one commit. It is the SQLite commit group's idea (DESIGN "Commit
+economy"). A transaction alone in the store is sent at once, exactly as before, so a single
+saga is unchanged; with others open, an idle shape's statement waits at most one turn of the
+event loop (below, "Two cohorts").
 
 Each member's transaction stays its own in every outcome that matters:
 

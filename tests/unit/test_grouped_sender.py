@@ -10,6 +10,7 @@ from typing import Any, cast
 import asyncpg
 import pytest
 
+from ledger.batched import BatchStatement
 from ledger.errors import StoreUnavailable
 from ledger.grouped import GroupSender
 
@@ -60,12 +61,16 @@ class Harness:
     """``population``: the open write transactions the sender is told of (``None``: it is told
     nothing, and keeps one convoy)."""
 
-    def __init__(self, population: int | None = None) -> None:
+    def __init__(
+        self, population: int | None = None, batches: dict[str, BatchStatement] | None = None
+    ) -> None:
         self.calls: list[tuple[str, str, Any]] = []
         self.grouped: list[int] = []
         self.population = population
         self.sender = GroupSender(
-            self.grouped.append, None if population is None else lambda: self.population or 0
+            self.grouped.append,
+            None if population is None else lambda: self.population or 0,
+            (batches or {}).get,
         )
         self.drivers: dict[str, HeldDriver] = {}
 
@@ -396,3 +401,34 @@ async def test_a_shape_whose_statements_come_alone_is_not_held() -> None:
     await _settle()
     h.driver("c").release()
     assert await held is True
+
+
+async def test_a_batch_of_a_statement_with_a_batch_form_is_one_execution_of_it() -> None:
+    # ledger/batched.py: the members' arguments go as one JSON argument (then the member count,
+    # when a fenced write is checked); a batch whose arguments JSON cannot carry exactly goes
+    # as executemany, as does a shape with no batch form.
+    h = Harness(batches={SQL: BatchStatement("BATCH", counted=True)})
+    first, queued = await _queued_behind_a(h, ("b", 2), ("c", 3))
+    h.driver("a").release()
+    assert await first is True
+    assert await asyncio.gather(*queued) == [True, True]
+    assert h.calls[1] == ("a", "execute", ["[[2], [3]]", 2])
+
+    h = Harness(batches={SQL: BatchStatement("BATCH", counted=False)})
+    odd = h.send("a", 1)
+    await _settle()
+    driver = cast(asyncpg.Connection, h.driver("b"))
+    floats = [asyncio.create_task(h.sender.send(driver, SQL, [x])) for x in (2.5, 3.5)]
+    await _settle()
+    h.driver("a").release()
+    assert await odd is True and await asyncio.gather(*floats) == [True, True]
+    assert h.calls[1] == ("a", "executemany", [[2.5], [3.5]])
+
+    h = Harness(batches={SQL: BatchStatement("BATCH", counted=False)})
+    first, queued = await _queued_behind_a(h, ("b", 2), ("c", 3))
+    others = [h.send("d", 4, OTHER_SQL)]
+    await _settle()
+    h.driver("a").release()
+    h.driver("d").release()
+    assert await first is True and await asyncio.gather(*queued, *others) == [True] * 3
+    assert ("a", "execute", ["[[2], [3]]"]) in h.calls  # no member count: nothing fenced
