@@ -138,19 +138,28 @@ def _compose(writes: Sequence[PendingWrite]) -> str:
                 offset += n
             sql = f"{head_sql} VALUES {', '.join(tuples)}"
         parts.append(f"w{i} AS ({sql} RETURNING 1)")
-        if w.lost is None:
-            counts.append(f"(SELECT count(*) FROM w{i}) AS c{i}")
-        else:
-            # count(*) keeps the CAST from being folded (and failing) at plan time.
-            counts.append(
-                f"(SELECT CASE WHEN count(*) = 1 THEN 1 "
-                f"ELSE CAST('{MARKER}{i}:' || count(*) AS integer) END FROM w{i}) AS c{i}"
-            )
+        counts.append(_count(i, w.lost, "count(*) = 1"))
+    return _assembled(parts, counts)
+
+
+def _count(i: int, lost: LeaseLost | None, exactly: str) -> str:
+    """The outer query's read of write ``i``: its rows' count, or, for a fenced write, a
+    ``CAST`` that fails unless ``exactly`` holds (``count(*)`` in it keeps the planner from
+    folding it into a constant and failing early)."""
+    if lost is None:
+        return f"(SELECT count(*) FROM w{i}) AS c{i}"
+    return (
+        f"(SELECT CASE WHEN {exactly} THEN 1 "
+        f"ELSE CAST('{MARKER}{i}:' || count(*) AS integer) END FROM w{i}) AS c{i}"
+    )
+
+
+def _assembled(parts: Sequence[str], counts: Sequence[str]) -> str:
     # The outer query reads every count, left to right: that runs the CTEs in the order they
     # were written, and a fenced write is judged before any later write runs — so a stale
     # fence is reported as such, not as the duplicate key a later insert would then hit (the
     # order in which the writes ran one by one). Unread CTEs would run last, in reverse.
-    every = ", ".join(f"c{i}" for i in range(len(writes)))
+    every = ", ".join(f"c{i}" for i in range(len(counts)))
     return (
         "WITH "
         + ",\n     ".join(parts)
@@ -258,21 +267,11 @@ def batch_statement(writes: Sequence[PendingWrite]) -> BatchStatement | None:
             return None
         offset += n * w.rows
         parts.append(f"w{i} AS ({sql})")
-        if w.lost is None:
-            counts.append(f"(SELECT count(*) FROM w{i}) AS c{i}")
-        else:
-            # One row of each member: what ``count(*) = 1`` said of one.
-            counts.append(
-                f"(SELECT CASE WHEN count(*) = $2::BIGINT AND count(DISTINCT ord) = $2::BIGINT"
-                f" THEN 1 ELSE CAST('{MARKER}{i}:' || count(*) AS integer) END FROM w{i}) AS c{i}"
-            )
-    every = ", ".join(f"c{i}" for i in range(len(writes)))
-    sql = (
-        "WITH "
-        + ",\n     ".join(parts)
-        + f"\nSELECT {every} FROM (SELECT {', '.join(counts)}) AS counts"
-    )
-    return BatchStatement(sql, any(w.lost is not None for w in writes))
+        # One row of each member ($2 is their number): what ``count(*) = 1`` said of one.
+        counts.append(
+            _count(i, w.lost, "count(*) = $2::BIGINT AND count(DISTINCT ord) = $2::BIGINT")
+        )
+    return BatchStatement(_assembled(parts, counts), any(w.lost is not None for w in writes))
 
 
 def _member_reads(sql: str, offset: int, n: int, rows: int, row: str) -> str:

@@ -134,7 +134,8 @@ async def test_saga_statements_read_no_table_whole(
         await _check_sqlite(db_urls, shop, monkeypatch)
 
 
-async def _check_postgres(db_urls: DbUrls, shop: FakeShop, monkeypatch: pytest.MonkeyPatch) -> None:
+def _spied_batches(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The batch statements (ledger/batched.py) every asyncpg connection runs from now on."""
     batches: list[str] = []
     execute = asyncpg.Connection.execute
 
@@ -144,13 +145,24 @@ async def _check_postgres(db_urls: DbUrls, shop: FakeShop, monkeypatch: pytest.M
         return await execute(self, query, *args, **kw)
 
     monkeypatch.setattr(asyncpg.Connection, "execute", spy)
-    admin = await pg_connect(db_urls.store)
+    return batches
+
+
+async def _generic_plans_from_now_on(url: str) -> None:
+    """The database's new sessions plan every prepared statement generic from its first run
+    (what a long-lived connection settles on), and its scan counters start from zero."""
+    admin = await pg_connect(url)
     try:
-        database = make_url(db_urls.store).database
+        database = make_url(url).database
         await admin.execute(f'ALTER DATABASE "{database}" SET plan_cache_mode = force_generic_plan')
         await admin.execute("SELECT pg_stat_reset()")
     finally:
         await admin.close()
+
+
+async def _check_postgres(db_urls: DbUrls, shop: FakeShop, monkeypatch: pytest.MonkeyPatch) -> None:
+    batches = _spied_batches(monkeypatch)
+    await _generic_plans_from_now_on(db_urls.store)
 
     orch = await _open(db_urls, shop)
     try:
@@ -236,24 +248,11 @@ async def test_batch_statements_read_no_table_whole(
     # on a young table is a sequential scan, kept by the generic plan as the table grows.
     # Here every transaction of a round ends at once, so each round's inserts and then its
     # fenced updates leave in batches, on a young database, planned generic from the start.
-    batches: list[str] = []
-    execute = asyncpg.Connection.execute
-
-    async def spy(self: asyncpg.Connection, query: str, *args: Any, **kw: Any) -> Any:
-        if "jsonb_array_elements(" in query:
-            batches.append(query)
-        return await execute(self, query, *args, **kw)
-
-    monkeypatch.setattr(asyncpg.Connection, "execute", spy)
-    admin = await pg_connect(db_urls.store)
-    try:
-        database = make_url(db_urls.store).database
-        await admin.execute(f'ALTER DATABASE "{database}" SET plan_cache_mode = force_generic_plan')
-    finally:
-        await admin.close()
+    batches = _spied_batches(monkeypatch)
+    await _generic_plans_from_now_on(db_urls.store)
     members = 8
     async with bare_store(db_urls.store) as store:
-        await _reset_scans(db_urls.store)
+        await _reset_scans(db_urls.store)  # the store's own set-up read is not counted
         tx_ids: list[str] = []
         for round_ in range(3):
             ids = [f"tx-{round_}-{n}" for n in range(members)]
