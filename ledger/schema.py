@@ -133,8 +133,11 @@ def _sqlite_key(table: str, column: str, target: str) -> ForeignKeyConstraint:
     ``TRUNCATE`` of both tables, and ``agent-txn ledger verify`` reports a row whose parent
     does not exist. On SQLite a key is a primary-key probe compiled into the insert, with no
     query and no lock, so it stays."""
-    name = f"fk_{table}_{column}_{target.split('.')[0]}"
-    _ONLY_ON["sqlite"].add(name)
+    referred = target.split(".")[0]
+    _ONLY_ON["sqlite"].add(
+        NAMING_CONVENTION["fk"]
+        % {"table_name": table, "column_0_name": column, "referred_table_name": referred}
+    )
     return ForeignKeyConstraint([column], [target]).ddl_if(dialect="sqlite")
 
 
