@@ -11,9 +11,10 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import Any
 
 import pytest
-from typer.testing import CliRunner
+from typer.testing import CliRunner, Result
 
 from fault_injection import bench_steady
 from fault_injection.bench import BenchConfig, run_bench
@@ -197,20 +198,26 @@ def dbos_console(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(logging.getLogger("dbos"), "handlers", [])
 
 
-@pytest.mark.skipif(not dbos_available(), reason="dbos is not installed (extra: bench)")
-@pytest.mark.usefixtures("dbos_console")
-def test_bench_cli_compare_dbos_writes_ratio(tmp_path: Path) -> None:
+def _compare_dbos(tmp_path: Path, *flags: str) -> tuple[Result, dict[str, Any]]:
+    """``agent-txn bench --compare dbos`` at its smallest (5 sagas a half), with ``flags``;
+    its output and its JSON, once it exited 0."""
     out = tmp_path / "bench.json"
     got = CliRunner().invoke(
         app,
         [
-            *("--compare", "dbos", "--pairs", "1", "--sagas", "5", "--warmup", "1"),
-            *("--driver-seconds", "0.1", "--json", str(out)),
+            *("--compare", "dbos", "--sagas", "5", "--warmup", "1", "--driver-seconds", "0.1"),
+            *("--json", str(out), *flags),
         ],
     )
     assert got.exit_code == 0, got.output
+    return got, json.loads(out.read_text())
+
+
+@pytest.mark.skipif(not dbos_available(), reason="dbos is not installed (extra: bench)")
+@pytest.mark.usefixtures("dbos_console")
+def test_bench_cli_compare_dbos_writes_ratio(tmp_path: Path) -> None:
+    got, data = _compare_dbos(tmp_path, "--pairs", "1")
     assert "pair 1/1" in got.output and "ratio" in got.output
-    data = json.loads(out.read_text())
     for key in (*STABLE_KEYS, "dbos_sagas_per_s", "ratio_vs_dbos"):
         assert key in data, key
     assert data["dbos_sagas_per_s"] > 0
@@ -304,16 +311,8 @@ async def test_steady_workload_runs_every_saga_once(db_urls: DbUrls) -> None:
 @pytest.mark.skipif(not dbos_available(), reason="dbos is not installed (extra: bench)")
 @pytest.mark.usefixtures("dbos_console")
 def test_bench_cli_match_time_sizes_our_half_from_dboss_last(tmp_path: Path) -> None:
-    out = tmp_path / "bench.json"
-    got = CliRunner().invoke(
-        app,
-        [
-            *("--compare", "dbos", "--pairs", "2", "--sagas", "5", "--warmup", "1"),
-            *("--match-time", "--driver-seconds", "0.1", "--json", str(out)),
-        ],
-    )
-    assert got.exit_code == 0, got.output
-    first, second = json.loads(out.read_text())["pairs"]
+    got, data = _compare_dbos(tmp_path, "--pairs", "2", "--match-time")
+    first, second = data["pairs"]
     assert first["sagas"] == 5  # nothing to match yet
     assert second["dbos_sagas"] == 5  # DBOS's half keeps --sagas
     # Ours runs several times faster than DBOS, so its second half is larger, up to the cap.
