@@ -26,8 +26,9 @@ What the key guarded still holds without it:
 
 SQLite keeps the key: there it is a lookup in the transactions' primary key compiled into the
 insert statement, with no query and no lock, and dropping a constraint would mean rebuilding
-the append-only table. The effect tables keep theirs (three checks per saga, and a
-compensation step's key to its forward operation says which operation it reverses).
+the append-only table. The effect tables keep theirs here (three checks per saga, and a
+compensation step's key to its forward operation says which operation it reverses); 0008
+drops their keys to ``transactions`` on PostgreSQL too, for the same reasons.
 
 The downgrade drops the triggers and makes the key again, which checks every stored entry.
 """
