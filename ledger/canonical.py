@@ -75,9 +75,20 @@ def canonical_json(value: Any) -> str:
         raise NotCanonicalizable(str(exc)) from exc
 
 
+#: An empty SHA-256 state that every digest starts from as a copy. Why: on Python 3.11,
+#: ``hashlib.sha256()`` looks the digest up in OpenSSL 3's provider registry on every call
+#: (a global lock and a name lookup); copying a state skips that. A saga takes about twenty
+#: digests (its ledger rows' links, its keys and fingerprints): 1.8 µs each measured inside
+#: the bench's run, 1.4 to 1.5 µs from a copy (``docs/benchmarks.md``, item 49). ``copy()``
+#: holds the object's own lock, so threads may share it.
+_SHA256 = hashlib.sha256()
+
+
 def sha256_hex(text: str) -> str:
     """Hex SHA-256 of ``text`` encoded as UTF-8 (canonical JSON is pure ASCII anyway)."""
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+    digest = _SHA256.copy()
+    digest.update(text.encode("utf-8"))
+    return digest.hexdigest()
 
 
 def fingerprint(value: Any) -> str:
