@@ -154,6 +154,14 @@ class InlineConnection:
         self._waits_for_locks = True
         # One thread per connection: the waits of one connection never queue behind another's.
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="agent-txn-sqlite")
+        #: The cursor the hot path's statements run on (:mod:`ledger.hot`), one for the
+        #: connection's life. Why: ``sqlite3.Connection.execute`` makes a cursor per call, and
+        #: the connection registers a weak reference to each (and sweeps the dead ones every
+        #: 200); about twenty statements a saga paid that for a row count. Those statements
+        #: are writes and savepoints, run one at a time on the loop and finished when
+        #: ``execute`` returns (SQLite has reset them), so reusing the cursor holds nothing
+        #: open.
+        self.statements = conn.cursor()
 
     def _begun(self, head: str) -> None:
         self._reader = head.startswith("BEGIN DEFERRED") or head.rstrip() == "BEGIN"

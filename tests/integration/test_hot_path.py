@@ -11,7 +11,9 @@ SQLAlchemy's execute path on SQLite.
 
 from __future__ import annotations
 
+import sqlite3
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -30,10 +32,11 @@ from sqlalchemy import (
     update,
 )
 
-from ledger import events, transactions
+from ledger import events, sqlite_inline, transactions
 from ledger.errors import DuplicateKey, LeaseLost, StoreUnavailable
 from ledger.hot import Compiled, _builder, _compile
 from ledger.schema import ledger as ledger_table
+from ledger.schema import transactions as tx_table
 from ledger.states import TxState
 from ledger.store import Chain, Store
 from tests.conftest import DbUrls, _pg_execute
@@ -134,6 +137,57 @@ async def test_hot_statements_are_counted_and_skip_sqlalchemys_execute_path(
     # Every write went to the driver directly; only the chain's read used SQLAlchemy's path.
     assert [s for s in seen if "SELECT" not in s] == []
     assert len(seen) == 1
+
+
+class _CursorCounting(sqlite3.Connection):
+    """A SQLite connection that counts the calls making a cursor of their own."""
+
+    made = 0
+
+    def cursor(self, *args: Any, **kwargs: Any) -> Any:
+        _CursorCounting.made += 1
+        return super().cursor(*args, **kwargs)
+
+    def execute(self, *args: Any) -> Any:
+        _CursorCounting.made += 1
+        return super().execute(*args)
+
+    def executemany(self, *args: Any) -> Any:
+        _CursorCounting.made += 1
+        return super().executemany(*args)
+
+
+async def test_sqlite_hot_statements_share_one_cursor(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A cost: each cursor is an object and a weak reference the connection registers. The
+    # cursors a write transaction makes (its BEGIN, its reads) must not grow with its writes.
+    connect = sqlite3.connect
+    monkeypatch.setattr(
+        sqlite_inline.sqlite3,
+        "connect",
+        lambda *args, **kwargs: connect(*args, factory=_CursorCounting, **kwargs),
+    )
+    made: list[int] = []
+    async with bare_store(f"sqlite+aiosqlite:///{tmp_path / 'agent.db'}") as store:
+        touch = store.statement(
+            ("test", "touch"),
+            lambda _now: (
+                update(tx_table)
+                .where(tx_table.c.tx_id == bindparam("t"))
+                .values(updated_at=bindparam("u"))
+            ),
+        )
+        for n, writes in enumerate((1, 6)):
+            txc = await _insert_tx(store, f"tx-cursor-{n}", {})
+            before = _CursorCounting.made
+            async with store.transaction() as work:
+                chain = await events.chain_of(work.conn, txc.tx_id)
+                for u in range(writes):
+                    assert await work.execute(touch, {"t": txc.tx_id, "u": u}) == 1
+                await transactions.transition(work, chain, txc, TxState.FAILED, action="fail")
+            made.append(_CursorCounting.made - before)
+    assert made[0] == made[1], made
 
 
 async def test_a_connection_lost_under_a_hot_statement_is_unavailable_and_replaced(
