@@ -176,21 +176,22 @@ class HotPath:
 
     def _target(
         self, conn: AsyncConnection, stmt: Executable, keys: tuple[str, ...]
-    ) -> tuple[Any, Compiled | None]:
-        """The pooled connection under ``conn`` and ``stmt``'s compiled form, or ``None`` when
-        the statement or the driver does not take the hot path."""
-        fairy: Any = conn.sync_connection.connection  # type: ignore[union-attr]
-        if not isinstance(fairy.driver_connection, (InlineConnection, asyncpg.Connection)):
-            return fairy, None
-        return fairy, self._lookup(stmt, keys)
+    ) -> tuple[Any, Any, Compiled | None]:
+        """The pooled connection under ``conn``, the driver's connection under that, and
+        ``stmt``'s compiled form, or ``None`` when the statement or the driver does not take
+        the hot path."""
+        fairy, driver = _connections(conn)
+        if not isinstance(driver, (InlineConnection, asyncpg.Connection)):
+            return fairy, driver, None
+        return fairy, driver, self._lookup(stmt, keys)
 
     def batchable(
         self, conn: AsyncConnection, stmt: Executable, keys: tuple[str, ...]
     ) -> Compiled | None:
         """The compiled form of ``stmt`` if it can be held back and sent with the transaction's
         other writes in one statement (:mod:`ledger.batched`): asyncpg connections only."""
-        fairy, compiled = self._target(conn, stmt, keys)
-        if not isinstance(fairy.driver_connection, asyncpg.Connection) or compiled is None:
+        _fairy, driver, compiled = self._target(conn, stmt, keys)
+        if not isinstance(driver, asyncpg.Connection) or compiled is None:
             return None
         return compiled if batched.composable(compiled) else None
 
@@ -201,17 +202,15 @@ class HotPath:
         transaction, so if nothing began it yet it runs in an implicit transaction of its own
         (one round trip, no ``BEGIN``/``COMMIT``); otherwise the transaction is begun first, so
         that a later failure still undoes these writes."""
-        fairy: Any = conn.sync_connection.connection  # type: ignore[union-attr]
+        fairy, driver = _connections(conn)
         sql, args = self._composer.statement(writes)
         self._count()
         try:
             if not final:
                 await _begun(fairy)
-            elif not fairy.dbapi_connection._started and await self._groups.send(
-                fairy.driver_connection, sql, args
-            ):
+            elif not fairy.dbapi_connection._started and await self._groups.send(driver, sql, args):
                 return  # nothing began it: sent in an implicit transaction, alone or grouped
-            await fairy.driver_connection.execute(sql, *args)
+            await driver.execute(sql, *args)
         except StoreUnavailable:
             raise  # a group's outcome is unknown: this connection itself is sound
         except Exception as exc:
@@ -224,15 +223,14 @@ class HotPath:
         self, conn: AsyncConnection, stmt: Executable, params: Mapping[str, Any]
     ) -> int:
         """Run ``stmt`` once; the number of rows it changed."""
-        fairy, compiled = self._target(conn, stmt, tuple(params))
+        fairy, driver, compiled = self._target(conn, stmt, tuple(params))
         if compiled is None:
             return (await conn.execute(stmt, dict(params))).rowcount
         args = compiled.arguments(params)
         self._count()
-        driver = fairy.driver_connection
         try:
             if isinstance(driver, InlineConnection):
-                return driver._conn.execute(compiled.sql, args).rowcount
+                return driver.statements.execute(compiled.sql, args).rowcount
             await _begun(fairy)
             return _rowcount(await driver.execute(compiled.sql, *args))
         except Exception as exc:
@@ -244,16 +242,15 @@ class HotPath:
         """Run ``stmt`` for each of ``rows`` (which share one key set), as one driver call."""
         if not rows:
             return
-        fairy, compiled = self._target(conn, stmt, tuple(rows[0]))
+        fairy, driver, compiled = self._target(conn, stmt, tuple(rows[0]))
         if compiled is None:
             await conn.execute(stmt, [dict(r) for r in rows])
             return
         args = [compiled.arguments(r) for r in rows]
         self._count()
-        driver = fairy.driver_connection
         try:
             if isinstance(driver, InlineConnection):
-                driver._conn.executemany(compiled.sql, args)
+                driver.statements.executemany(compiled.sql, args)
                 return
             await _begun(fairy)
             await driver.executemany(compiled.sql, args)
@@ -271,7 +268,7 @@ class HotPath:
         return await self._control(conn, "COMMIT")
 
     async def _control(self, conn: AsyncConnection, sql: str) -> bool:
-        driver: Any = conn.sync_connection.connection.driver_connection  # type: ignore[union-attr]
+        _fairy, driver = _connections(conn)
         if not isinstance(driver, InlineConnection):
             return False
         try:
@@ -282,15 +279,26 @@ class HotPath:
 
     async def driver_sql(self, conn: AsyncConnection, sql: str) -> None:
         """A parameterless statement the store writes itself (SQLite savepoints)."""
-        driver: Any = conn.sync_connection.connection.driver_connection  # type: ignore[union-attr]
+        _fairy, driver = _connections(conn)
         if not isinstance(driver, InlineConnection):
             await conn.exec_driver_sql(sql)
             return
         self._count()
         try:
-            driver._conn.execute(sql)
+            driver.statements.execute(sql)
         except Exception as exc:
             await _raise_as_sqlalchemy(conn, exc, sql, ())
+
+
+def _connections(conn: AsyncConnection) -> tuple[Any, Any]:
+    """The pooled connection (SQLAlchemy's fairy) under ``conn`` and the driver's own
+    connection under it (``None`` once the pool has let go of it: an invalidated connection).
+
+    Why not ``fairy.driver_connection``: that walks two properties (the fairy's record, then
+    the record's adapter) to the adapter the fairy holds as a plain attribute, and the hot path
+    looks the driver up about twenty times a saga."""
+    fairy: Any = conn.sync_connection.connection  # type: ignore[union-attr]
+    return fairy, getattr(fairy.dbapi_connection, "driver_connection", None)
 
 
 async def _begun(fairy: Any) -> None:
