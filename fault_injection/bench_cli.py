@@ -262,4 +262,16 @@ def _compare(
         f"median over {pairs} pairs: ours {median.sagas_per_s:,.1f} sagas/s · DBOS "
         f"{data['dbos_sagas_per_s']:,.1f} workflows/s · ratio {data['ratio_vs_dbos']:.2f}x"
     )
+    out.print(_median_interval_line(data))
     return data, bool(data["check_ok"])
+
+
+def _median_interval_line(data: dict[str, Any]) -> str:
+    """How sure the median ratio is (``fault_injection.median_interval``)."""
+    low, high = data["ratio_vs_dbos_ci95_low"], data["ratio_vs_dbos_ci95_high"]
+    if low is None or high is None:
+        return "the median ratio's 95 % interval needs six pairs or more: run more with --pairs"
+    return (
+        f"the true median ratio lies in {low:.2f}x to {high:.2f}x "
+        f"(sign-test interval, {100 * data['ratio_vs_dbos_ci95_coverage']:.1f} % coverage)"
+    )

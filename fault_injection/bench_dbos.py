@@ -49,6 +49,7 @@ from typing import Any, Literal
 import sqlalchemy as sa
 from sqlalchemy.engine import make_url
 
+from fault_injection.median_interval import median_interval
 from ledger.dialects import dialect_of, normalize_url
 
 SqliteTuning = Literal["fast", "default"]
@@ -343,6 +344,11 @@ def compare_json(pairs: list[ComparePair]) -> dict[str, Any]:
     dbos_median = sorted(pairs, key=lambda p: p.dbos.sagas_per_s)[len(pairs) // 2].dbos
     data["dbos_sagas_per_s"] = statistics.median(p.dbos.sagas_per_s for p in pairs)
     data["ratio_vs_dbos"] = statistics.median(p.ratio for p in pairs)
+    # How sure the median is (fault_injection.median_interval): None below six pairs.
+    interval = median_interval([p.ratio for p in pairs])
+    data["ratio_vs_dbos_ci95_low"] = None if interval is None else interval.low
+    data["ratio_vs_dbos_ci95_high"] = None if interval is None else interval.high
+    data["ratio_vs_dbos_ci95_coverage"] = None if interval is None else interval.coverage
     data["dbos_p50_ms"] = dbos_median.p50_ms
     data["dbos_p99_ms"] = dbos_median.p99_ms
     data["dbos_commits_per_saga"] = dbos_median.commits_per_saga
