@@ -262,6 +262,53 @@ def _translation(exc: Exception) -> Exception | None:
     return None
 
 
+class _Translated:
+    """:meth:`Store.transaction`'s block: the store's transaction (``inner``), counted in
+    :attr:`Store.open_writes` while it is open, with storage errors translated on the way out.
+
+    Why a class and not a generator: ``@asynccontextmanager`` runs a generator per block,
+    and this wrapper around the generator that does the work made it two per local
+    transaction, about four a saga; a class's ``__aenter__``/``__aexit__`` are two plain
+    calls."""
+
+    __slots__ = ("_inner", "_store")
+
+    def __init__(self, store: Store, inner: contextlib.AbstractAsyncContextManager[Work]) -> None:
+        self._store = store
+        self._inner = inner
+
+    async def __aenter__(self) -> Work:
+        self._store._open_writes += 1
+        try:
+            return await self._inner.__aenter__()
+        except BaseException as exc:
+            self._store._open_writes -= 1
+            _raise_translated(exc)
+            raise
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any
+    ) -> bool:
+        try:
+            suppressed = await self._inner.__aexit__(kind, exc, tb)
+        except BaseException as raised:
+            _raise_translated(raised)
+            raise
+        finally:
+            self._store._open_writes -= 1
+        if exc is not None and not suppressed:
+            _raise_translated(exc)
+        return bool(suppressed)
+
+
+def _raise_translated(exc: BaseException) -> None:
+    """Raise the :mod:`ledger.errors` exception ``exc`` stands for, if it stands for one."""
+    if isinstance(exc, Exception):
+        translated = _translation(exc)
+        if translated is not None:
+            raise translated from exc
+
+
 async def _quietly(step: Awaitable[Any]) -> None:
     # Clean-up after a failure must not hide the failure itself.
     with contextlib.suppress(Exception):
@@ -413,30 +460,14 @@ class Store:
 
     # -- transactions ---------------------------------------------------------------------------
 
-    @asynccontextmanager
-    async def transaction(self) -> AsyncIterator[Work]:
+    def transaction(self) -> contextlib.AbstractAsyncContextManager[Work]:
         """One local write transaction; storage errors translated.
 
         It is durable when the block exits: nothing written in it may be acted on before.
         On SQLite it may share its physical commit with the transactions of other tasks of
         this process (:class:`CommitGroup`); on PostgreSQL it is its own."""
-        # Errors translated here rather than in a context manager of their own: one generator
-        # fewer to enter and leave per local transaction.
-        self._open_writes += 1
-        try:
-            if self._write_lock is not None:
-                async with self._grouped() as work:
-                    yield work
-            else:
-                async with self._transaction() as work:
-                    yield work
-        except Exception as exc:
-            translated = _translation(exc)
-            if translated is None:
-                raise
-            raise translated from exc
-        finally:
-            self._open_writes -= 1
+        inner = self._grouped() if self._write_lock is not None else self._transaction()
+        return _Translated(self, inner)
 
     @property
     def open_writes(self) -> int:
