@@ -39,7 +39,7 @@ class MedianInterval:
 
 def _below(n: int, k: int) -> float:
     """P(Binomial(n, ½) ≤ k)."""
-    return sum(math.comb(n, i) for i in range(k + 1)) / 2**n
+    return sum(math.comb(n, i) for i in range(k + 1)) / (1 << n)
 
 
 def median_interval(values: Sequence[float], level: float = 0.95) -> MedianInterval | None:
