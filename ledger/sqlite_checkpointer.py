@@ -19,11 +19,27 @@ Under ``FULL``/``EXTRA`` every commit already waits for the disk, and a checkpoi
 fsync running beside it queue ahead of those waits: measured, sequential sagas under ``FULL``
 ran 12 % slower with the thread (``docs/benchmarks.md``), so there SQLite's auto-checkpoint stays.
 
+**Starting the log again.** SQLite writes the log from its beginning again only when a write
+transaction begins with *all* of it copied. The thread's checkpoint copies all of it, but under
+a steady stream of commits the writer has committed again before the thread is done, so that
+moment never came: the log grew by about 40 KB a saga for as long as the stream lasted
+(476 MB after 12 000 sagas in the bench), every commit appending to new blocks of an ever
+larger file. So when the thread reports a checkpoint that copied the whole log
+(:meth:`Checkpointer.take_copied_all`), the writer's next commit copies, on its own connection,
+the few pages it committed since (:meth:`ledger.sqlite_inline.InlineConnection`), and the write
+transaction after it starts the log again. That catch-up is a PASSIVE checkpoint of a few
+dozen pages, but it syncs the log and the database file as every checkpoint does (3 to 7 ms,
+measured): once per thread checkpoint, so about once per hundred commits under load, and never
+on a store that pauses (its log starts again by itself). The log then stays at about the size
+of one checkpoint interval (16 to 17 MB in the bench) instead of growing for as long as the
+load lasts (``docs/benchmarks.md``, item 54).
+
 The durability rules are SQLite's own and unchanged: a commit is durable when it is in the log
-(fsynced under ``FULL``); a checkpoint only moves durable pages into the database file. If the
-thread falls behind, the log grows until it catches up; if a checkpoint fails (another process
-checkpointing the same file at that moment), the next one retries. When the last connection
-closes, SQLite checkpoints and removes the log as always.
+(fsynced under ``FULL``); a checkpoint only moves durable pages into the database file, and
+SQLite syncs the database file before any write may reuse the log. If the thread falls behind,
+the log grows until it catches up; if a checkpoint fails (another process checkpointing the
+same file at that moment), the next one retries. When the last connection closes, SQLite
+checkpoints and removes the log as always.
 """
 
 from __future__ import annotations
@@ -61,6 +77,10 @@ class Checkpointer:
         #: Checkpoints run, and those SQLite refused (retried at the next one).
         self.checkpoints = 0
         self.failures = 0
+        # Set by the thread when a checkpoint copied the whole log; taken by the next writing
+        # commit (see the module's doc). A plain flag: one thread sets it, the loop takes it,
+        # and a pass that sets it again between the two is only taken at the next commit.
+        self._copied_all = False
 
     def attach(self) -> None:
         """A connection opened: make sure the thread runs."""
@@ -93,6 +113,22 @@ class Checkpointer:
         if self._commits >= self._every:
             self._wake.set()
 
+    def checkpoint(self, conn: sqlite3.Connection) -> None:
+        """One PASSIVE checkpoint on ``conn`` (the thread's own connection), noting whether
+        it copied the whole log."""
+        busy, logged, copied = conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+        self.checkpoints += 1
+        if not busy and logged == copied:
+            self._copied_all = True
+
+    def take_copied_all(self) -> bool:
+        """Whether a checkpoint copied the whole log since the last time this said so: the
+        writer's cue to copy what it added since (see the module's doc)."""
+        if not self._copied_all:
+            return False
+        self._copied_all = False
+        return True
+
     def _run(self, stop: threading.Event) -> None:
         conn: sqlite3.Connection | None = None
         try:
@@ -109,8 +145,7 @@ class Checkpointer:
                         conn = sqlite3.connect(
                             self._path, isolation_level=None, check_same_thread=False
                         )
-                    conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
-                    self.checkpoints += 1
+                    self.checkpoint(conn)
                 except sqlite3.Error as exc:
                     self.failures += 1
                     log.warning("sqlite checkpoint failed", error=str(exc))

@@ -4,20 +4,23 @@ SQLite-only by nature: PostgreSQL checkpoints in its own server process. What co
 commit still running SQLite's auto-checkpoint on the event loop under NORMAL (and, under FULL,
 SQLite's own checkpoints off with no thread to replace them); the thread not copying the log
 into the database file (the log would grow without bound); a quiet store never checkpointed;
-the thread outliving the store's connections; one failed checkpoint stopping the thread.
+the thread outliving the store's connections; one failed checkpoint stopping the thread; a
+writer that never pauses keeping SQLite from ever starting the log again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import sqlite3
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
 from sqlalchemy import text
 
 from ledger.sqlite_checkpointer import Checkpointer
+from ledger.sqlite_inline import InlineConnection
 from ledger.store import Store
 
 
@@ -123,3 +126,59 @@ async def test_a_failed_checkpoint_does_not_stop_the_thread(tmp_path: Path) -> N
         checkpointer.detach()
         assert thread is not None
         thread.join(5)
+
+
+async def _commit_rows(
+    writer: InlineConnection, first: int, count: int, meanwhile: Callable[[], None]
+) -> None:
+    """A write transaction of ``count`` rows; ``meanwhile`` runs while it is open."""
+    await writer.begin_immediate()
+    cursor = await writer.cursor()
+    for n in range(first, first + count):
+        await cursor.execute("INSERT INTO t VALUES (?, ?)", (n, "x" * 500))
+    meanwhile()
+    await writer.commit()
+
+
+@pytest.mark.parametrize("catch_up", [True, False], ids=["with-catch-up", "without"])
+async def test_a_writer_that_never_pauses_still_starts_the_log_again(
+    tmp_path: Path, catch_up: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # SQLite writes the log from its beginning again only when a write transaction begins
+    # with all of it copied. Here the thread's checkpoint (driven by the test, in order) always
+    # copies all of it, but while the writer has a transaction open, whose commit then follows
+    # it, as under a steady stream of sagas: without the writer's catch-up the log file grows by
+    # every commit; with it, it stops growing once it holds a round.
+    path = tmp_path / "agent.db"
+    setup = sqlite3.connect(path)
+    setup.execute("PRAGMA journal_mode=WAL")
+    setup.execute("CREATE TABLE t (n INTEGER, pad TEXT)")
+    setup.close()
+    checkpointer = Checkpointer(str(path), every_commits=10**9, idle_seconds=3600)
+    if not catch_up:
+        monkeypatch.setattr(checkpointer, "take_copied_all", lambda: False)
+    raw = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    raw.execute("PRAGMA synchronous=NORMAL")
+    writer = InlineConnection(
+        raw, busy_timeout_ms=1000, synchronous="NORMAL", checkpointer=checkpointer
+    )
+    thread_side = sqlite3.connect(path, isolation_level=None)
+    log = Path(f"{path}-wal")
+    sizes = []
+    try:
+        for round_ in range(30):
+            # The thread's checkpoint copies every committed page while the writer's next
+            # transaction is open; that transaction's commit then lands after it.
+            await _commit_rows(
+                writer, 50 * round_, 50, lambda: checkpointer.checkpoint(thread_side)
+            )
+            sizes.append(os.path.getsize(log))  # noqa: ASYNC240  (a stat, test only)
+        total = int(thread_side.execute("SELECT count(*) FROM t").fetchone()[0])
+    finally:
+        thread_side.close()
+        writer.stop()
+    assert total == 1500 and checkpointer.failures == 0
+    if catch_up:
+        assert sizes[-1] == sizes[2], sizes  # the log starts again every round
+    else:
+        assert sizes[-1] > 5 * sizes[2], sizes  # what the catch-up is for
