@@ -182,3 +182,44 @@ async def test_a_writer_that_never_pauses_still_starts_the_log_again(
         assert sizes[-1] == sizes[2], sizes  # the log starts again every round
     else:
         assert sizes[-1] > 5 * sizes[2], sizes  # what the catch-up is for
+
+
+class _CheckpointRefused:
+    """A sqlite3 connection whose ``PRAGMA wal_checkpoint`` fails (as when the file's
+    directory vanished mid-run); everything else is the real connection's."""
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self._conn = conn
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._conn, name)
+
+    def execute(self, sql: str, *args: object) -> sqlite3.Cursor:
+        if sql.startswith("PRAGMA wal_checkpoint"):
+            raise sqlite3.OperationalError("disk I/O error")
+        return self._conn.execute(sql, *args)
+
+
+async def test_a_failed_catch_up_does_not_fail_the_commit_before_it(tmp_path: Path) -> None:
+    # The catch-up runs after a commit that is already durable: raising there would tell the
+    # caller that a committed transaction failed.
+    path = tmp_path / "agent.db"
+    setup = sqlite3.connect(path)
+    setup.execute("PRAGMA journal_mode=WAL")
+    setup.execute("CREATE TABLE t (n INTEGER, pad TEXT)")
+    setup.close()
+    checkpointer = Checkpointer(str(path), every_commits=10**9, idle_seconds=3600)
+    raw = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    writer = InlineConnection(
+        raw, busy_timeout_ms=1000, synchronous="NORMAL", checkpointer=checkpointer
+    )
+    writer._conn = _CheckpointRefused(raw)  # type: ignore[assignment]
+    thread_side = sqlite3.connect(path, isolation_level=None)
+    try:
+        await _commit_rows(writer, 0, 10, lambda: checkpointer.checkpoint(thread_side))
+        assert checkpointer.failures == 1  # the catch-up was tried, and failed
+        total = int(thread_side.execute("SELECT count(*) FROM t").fetchone()[0])
+    finally:
+        thread_side.close()
+        writer.stop()
+    assert total == 10
