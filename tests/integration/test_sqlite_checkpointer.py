@@ -140,6 +140,18 @@ async def _commit_rows(
     await writer.commit()
 
 
+def _writer_on_a_fresh_file(path: Path) -> tuple[Checkpointer, sqlite3.Connection]:
+    """A WAL file with table ``t``, and a checkpointer whose own thread never runs a
+    checkpoint (the test runs them, in order); the caller wraps the connection."""
+    setup = sqlite3.connect(path)
+    setup.execute("PRAGMA journal_mode=WAL")
+    setup.execute("CREATE TABLE t (n INTEGER, pad TEXT)")
+    setup.close()
+    raw = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    raw.execute("PRAGMA synchronous=NORMAL")
+    return Checkpointer(str(path), every_commits=10**9, idle_seconds=3600), raw
+
+
 @pytest.mark.parametrize("catch_up", [True, False], ids=["with-catch-up", "without"])
 async def test_a_writer_that_never_pauses_still_starts_the_log_again(
     tmp_path: Path, catch_up: bool, monkeypatch: pytest.MonkeyPatch
@@ -150,15 +162,9 @@ async def test_a_writer_that_never_pauses_still_starts_the_log_again(
     # it, as under a steady stream of sagas: without the writer's catch-up the log file grows by
     # every commit; with it, it stops growing once it holds a round.
     path = tmp_path / "agent.db"
-    setup = sqlite3.connect(path)
-    setup.execute("PRAGMA journal_mode=WAL")
-    setup.execute("CREATE TABLE t (n INTEGER, pad TEXT)")
-    setup.close()
-    checkpointer = Checkpointer(str(path), every_commits=10**9, idle_seconds=3600)
+    checkpointer, raw = _writer_on_a_fresh_file(path)
     if not catch_up:
         monkeypatch.setattr(checkpointer, "take_copied_all", lambda: False)
-    raw = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
-    raw.execute("PRAGMA synchronous=NORMAL")
     writer = InlineConnection(
         raw, busy_timeout_ms=1000, synchronous="NORMAL", checkpointer=checkpointer
     )
@@ -204,12 +210,7 @@ async def test_a_failed_catch_up_does_not_fail_the_commit_before_it(tmp_path: Pa
     # The catch-up runs after a commit that is already durable: raising there would tell the
     # caller that a committed transaction failed.
     path = tmp_path / "agent.db"
-    setup = sqlite3.connect(path)
-    setup.execute("PRAGMA journal_mode=WAL")
-    setup.execute("CREATE TABLE t (n INTEGER, pad TEXT)")
-    setup.close()
-    checkpointer = Checkpointer(str(path), every_commits=10**9, idle_seconds=3600)
-    raw = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    checkpointer, raw = _writer_on_a_fresh_file(path)
     writer = InlineConnection(
         raw, busy_timeout_ms=1000, synchronous="NORMAL", checkpointer=checkpointer
     )
