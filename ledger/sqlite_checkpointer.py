@@ -29,8 +29,9 @@ larger file. So when the thread reports a checkpoint that copied the whole log
 the few pages it committed since (:meth:`ledger.sqlite_inline.InlineConnection`), and the write
 transaction after it starts the log again. That catch-up is a PASSIVE checkpoint of a few
 dozen pages, but it syncs the log and the database file as every checkpoint does (3 to 7 ms,
-measured): once per thread checkpoint, so about once per hundred commits under load, and never
-on a store that pauses (its log starts again by itself). The log then stays at about the size
+measured): once per thread checkpoint, so about once per hundred commits under load. A store
+that paused needs none (its log started again by itself) and pays one anyway, at the first
+commit after the pause: a few pages, once per quiet spell. The log then stays at about the size
 of one checkpoint interval (16 to 17 MB in the bench) instead of growing for as long as the
 load lasts (``docs/benchmarks.md``, item 54).
 
