@@ -24,16 +24,16 @@ transaction begins with *all* of it copied. The thread's checkpoint copies all o
 a steady stream of commits the writer has committed again before the thread is done, so that
 moment never came: the log grew by about 40 KB a saga for as long as the stream lasted
 (476 MB after 12 000 sagas in the bench), every commit appending to new blocks of an ever
-larger file. So when the thread reports a checkpoint that copied the whole log
-(:meth:`Checkpointer.take_copied_all`), the writer's next commit copies, on its own connection,
-the few pages it committed since (:meth:`ledger.sqlite_inline.InlineConnection`), and the write
-transaction after it starts the log again. That catch-up is a PASSIVE checkpoint of a few
-dozen pages, but it syncs the log and the database file as every checkpoint does (3 to 7 ms,
-measured): once per thread checkpoint, so about once per hundred commits under load. A store
-that paused needs none (its log started again by itself) and pays one anyway, at the first
-commit after the pause: a few pages, once per quiet spell. The log then stays at about the size
-of one checkpoint interval (16 to 17 MB in the bench) instead of growing for as long as the
-load lasts (``docs/benchmarks.md``, item 54).
+larger file. So the thread notes a checkpoint that copied the whole log, and the writer's
+next commit copies, on its own connection, the few pages it committed since
+(:meth:`Checkpointer.catch_up`, called by :mod:`ledger.sqlite_inline` after every writing
+commit), and the write transaction after it starts the log again. That catch-up is a PASSIVE
+checkpoint of a few dozen pages, but it syncs the log and the database file as every
+checkpoint does (3 to 7 ms, measured): once per thread checkpoint, so about once per hundred
+commits under load. A store that paused needs none (its log started again by itself) and pays
+one anyway, at the first commit after the pause: a few pages, once per quiet spell. The log
+then stays at about the size of one checkpoint interval (16 to 17 MB in the bench) instead of
+growing for as long as the load lasts (``docs/benchmarks.md``, item 54).
 
 The durability rules are SQLite's own and unchanged: a commit is durable when it is in the log
 (fsynced under ``FULL``); a checkpoint only moves durable pages into the database file, and
@@ -57,6 +57,8 @@ log = structlog.get_logger(__name__)
 EVERY_COMMITS = 100
 #: A store that went quiet has its last commits checkpointed this soon.
 IDLE_SECONDS = 1.0
+#: Copies what no reader still needs; never waits for, never blocks a reader or a writer.
+_PASSIVE = "PRAGMA wal_checkpoint(PASSIVE)"
 
 
 class Checkpointer:
@@ -117,18 +119,25 @@ class Checkpointer:
     def checkpoint(self, conn: sqlite3.Connection) -> None:
         """One PASSIVE checkpoint on ``conn`` (the thread's own connection), noting whether
         it copied the whole log."""
-        busy, logged, copied = conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+        busy, logged, copied = conn.execute(_PASSIVE).fetchone()
         self.checkpoints += 1
         if not busy and logged == copied:
             self._copied_all = True
 
-    def take_copied_all(self) -> bool:
-        """Whether a checkpoint copied the whole log since the last time this said so: the
-        writer's cue to copy what it added since (see the module's doc)."""
+    def catch_up(self, conn: sqlite3.Connection) -> None:
+        """After a writing commit on ``conn`` (the writer's, on the event loop): if a checkpoint
+        copied the whole log since the last call, copy what ``conn`` committed since, so that
+        its next write transaction starts the log again (see the module's doc). The commit
+        before it is durable whatever happens here, so a failure is counted and logged (the
+        thread's next checkpoint tries again), never raised."""
         if not self._copied_all:
-            return False
+            return
         self._copied_all = False
-        return True
+        try:
+            conn.execute(_PASSIVE).fetchall()
+        except sqlite3.Error as exc:
+            self.failures += 1
+            log.warning("sqlite catch-up checkpoint failed", error=str(exc))
 
     def _run(self, stop: threading.Event) -> None:
         conn: sqlite3.Connection | None = None

@@ -239,22 +239,7 @@ class InlineConnection:
         await self._write_commit(commit, *args)
         if self.checkpointer is not None:
             self.checkpointer.note_commit()
-            if self.checkpointer.take_copied_all():
-                self._catch_up_checkpoint()
-
-    def _catch_up_checkpoint(self) -> None:
-        """Copy into the database file what this connection committed since the checkpoint
-        thread last copied the whole log, so that the next write transaction starts the log
-        again from its beginning (:mod:`ledger.sqlite_checkpointer` says why). On the loop: a
-        few dozen pages and the two syncs every checkpoint makes, once per thread checkpoint.
-        The commit before it is durable whatever happens here, so a failure is only counted
-        (the thread's next checkpoint tries again), never raised."""
-        checkpointer = self.checkpointer
-        assert checkpointer is not None
-        try:
-            self._conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
-        except sqlite3.Error:
-            checkpointer.failures += 1
+            self.checkpointer.catch_up(self._conn)
 
     async def _write_commit(self, commit: Callable[..., Any], *args: Any) -> None:
         if self._syncs_on_commit and others_ready():

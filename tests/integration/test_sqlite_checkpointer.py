@@ -164,7 +164,7 @@ async def test_a_writer_that_never_pauses_still_starts_the_log_again(
     path = tmp_path / "agent.db"
     checkpointer, raw = _writer_on_a_fresh_file(path)
     if not catch_up:
-        monkeypatch.setattr(checkpointer, "take_copied_all", lambda: False)
+        monkeypatch.setattr(checkpointer, "catch_up", lambda _conn: None)
     writer = InlineConnection(
         raw, busy_timeout_ms=1000, synchronous="NORMAL", checkpointer=checkpointer
     )
@@ -185,7 +185,7 @@ async def test_a_writer_that_never_pauses_still_starts_the_log_again(
         writer.stop()
     assert total == 1500 and checkpointer.failures == 0
     if catch_up:
-        assert sizes[-1] == sizes[2], sizes  # the log starts again every round
+        assert sizes[-1] < 2 * sizes[2], sizes  # the log starts again every round
     else:
         assert sizes[-1] > 5 * sizes[2], sizes  # what the catch-up is for
 
