@@ -13,9 +13,10 @@ A cell is ``(point, position, mode)``, named like ``effect.after_apply@charge/ki
   position loses its response (:func:`fault_injection.victim.lookup_fault`), so the engine's
   in-call reconcile looks it up in the victim (for the outbox event, a committed saga leaves
   that to the workers, so the victim also drains once as its own worker).
-* modes: ``inprocess`` — the point raises ``SimulatedCrash`` inside ``execute``, the engine is
-  abandoned; ``kill`` — a real subprocess (:mod:`fault_injection.victim`) SIGKILLs itself at the
-  point and must die by signal 9.
+* modes: ``inprocess`` — the point raises ``SimulatedCrash`` inside ``execute`` (or, for the
+  outbox event's ``record.*``, in the transaction its record rides on: :mod:`ledger.riders`),
+  the engine is abandoned; ``kill`` — a real subprocess (:mod:`fault_injection.victim`)
+  SIGKILLs itself at the point and must die by signal 9.
 
 Then a fresh engine recovers (clocks past the dead leases), the invariant checker runs on the
 cell's transaction, and the cell passes only if it is clean, the transaction ended committed
@@ -184,16 +185,21 @@ async def _crash_in_process(harness: Harness, cell: Cell, tx_id: str) -> _Crash:
         raise SimulatedCrash(point)
 
     arm(orch.crashpoints, cell.point, cell.position, tx_id, action=crash_here)
-    reached = False
     try:
         await orch.execute(saga_for(cell.position), inputs_for(cell.position, tx_id), tx_id=tx_id)
         if needs_worker(cell.point, cell.position):
             await orch.drain(timeout_seconds=RECOVERY_TIMEOUT_SECONDS)
+        # The outbox event's record rides on a later transaction (ledger/riders.py): land it,
+        # as the process's next transaction or its flush would.
+        await orch.store.riders.settle()
     except SimulatedCrash:
-        reached = True
+        pass
     finally:
         # Whatever happened, this "process" is dead now: nothing of it may tidy up.
         await harness.crash(orch)
+    # Counted where it fired: a riding record's crash may fire in the store's flush task,
+    # whose exception nobody awaits (the process it stands for is dead either way).
+    reached = bool(seen)
     faults: Counter[str] = Counter({str(k): n for k, n in harness.shop.faults.fired.items()})
     problems = [] if reached else [f"{cell.point} was never reached"]
     if reached:

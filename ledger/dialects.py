@@ -341,6 +341,13 @@ def insert_ignore(dialect: Dialect, table: Table, values: dict[str, Any]) -> Ins
     return sqlite_insert(table).values(values).on_conflict_do_nothing()
 
 
+def insert_ignore_statement(dialect: Dialect, table: Table) -> Insert:
+    """:func:`insert_ignore` whose values come with each execution's parameters (no implicit
+    ``RETURNING``, so it can ride in a batch: :mod:`ledger.batched`)."""
+    stmt = postgresql_insert(table) if dialect == "postgresql" else sqlite_insert(table)
+    return stmt.on_conflict_do_nothing().inline()
+
+
 def upsert_insert(dialect: Dialect, table: Table) -> Any:
     """The dialect's ``INSERT`` construct, for ``… ON CONFLICT DO UPDATE`` upserts (both
     backends spell it the same way: ``.on_conflict_do_update(index_elements=…, set_=…)``)."""

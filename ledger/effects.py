@@ -624,8 +624,14 @@ async def record(
     retry_in_ms: int | None = None,
     lookups: int = 0,
     detail: Mapping[str, Any] | None = None,
+    may_be_taken: bool = False,
 ) -> None:
-    """Fenced write of the holder's outcome; raises :class:`LeaseLost` if the fence is stale."""
+    """Fenced write of the holder's outcome; raises :class:`LeaseLost` if the fence is stale.
+
+    ``may_be_taken``: a stale fence is not an error; the write and its ledger row then change
+    nothing, and ``work`` commits anyway (a record riding on another transaction,
+    :mod:`ledger.riders`). Whoever holds the effect now appended to its chain when it claimed
+    it, so the row's link is taken exactly when the fence is stale."""
     check_effect_transition(EffectState.EXECUTING, to_state)
     params: dict[str, Any] = {
         "p_key": claim_.key,
@@ -652,25 +658,24 @@ async def record(
         ("effects.record", claim_.kind, shape),
         lambda now: _record_statement(claim_.kind, now, *shape),
     )
-    await work.write(
-        stmt,
-        params,
-        lost=LeaseLost(f"{claim_.kind._value_} {claim_.key}", claim_.fence),
-        row=(claim_.kind._value_, claim_.key),
-    )
+    lost = None if may_be_taken else LeaseLost(f"{claim_.kind._value_} {claim_.key}", claim_.fence)
+    await work.write(stmt, params, lost=lost, row=(claim_.kind._value_, claim_.key))
     log_detail: dict[str, Any] = {"fence": claim_.fence, **(detail or {})}
     if remote_id is not None:
         log_detail["remote_id"] = remote_id
     if error is not None:
         log_detail["error"] = error[:500]
-    work.log(
-        chain,
-        action=action,
-        subject=claim_.key,
-        from_state=EffectState.EXECUTING._value_,
-        to_state=to_state._value_,
-        detail=log_detail,
-    )
+    link: dict[str, Any] = {
+        "action": action,
+        "subject": claim_.key,
+        "from_state": EffectState.EXECUTING._value_,
+        "to_state": to_state._value_,
+        "detail": log_detail,
+    }
+    if may_be_taken:
+        await work.log_unless_taken(chain, **link)
+    else:
+        work.log(chain, **link)
 
 
 async def renew(work: Work, claim_: Claim, *, lease_ms: int) -> None:

@@ -270,9 +270,13 @@ class InlineConnection:
 
 def others_ready() -> bool:
     """Whether the event loop has other callbacks ready to run now (a loop that does not say,
-    such as uvloop, is taken to have some)."""
+    such as uvloop, is taken to have some). A lone cancelled callback does not count: that is
+    the riders' flush (:mod:`ledger.riders`) a transaction just made unnecessary."""
     ready = getattr(asyncio.get_running_loop(), "_ready", None)
-    return ready is None or len(ready) > 0
+    if ready is None:
+        return True
+    count = len(ready)
+    return count > 1 or (count == 1 and not ready[0].cancelled())
 
 
 def connector(path: str, *, busy_timeout_ms: int, synchronous: str) -> Callable[[], Any]:

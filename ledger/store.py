@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar, cast
 
+import structlog
 from sqlalchemy import event, insert, literal, select
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from sqlalchemy.sql import Executable
@@ -33,14 +35,21 @@ from ledger.batched import PendingWrite
 from ledger.canonical import canonical_json, sha256_hex
 from ledger.errors import DuplicateKey, LeaseLost, StoreUnavailable
 from ledger.hot import Compiled, HotPath
+from ledger.riders import Rider, Riders
 from ledger.schema import ledger as ledger_table
 from ledger.sqlite_inline import others_ready
+
+log = structlog.get_logger(__name__)
 
 GENESIS_HASH = "0" * 64
 #: Where a PostgreSQL transaction's Work is found from its connection (``Connection.info``).
 _WORK_KEY = "agent_txn_work"
 
 S = TypeVar("S", bound=Executable)
+
+#: Set while the current task is inside one of the store's write transactions: a read there must
+#: not wait for riders (landing them takes the write lock this task may hold).
+_WRITING: contextvars.ContextVar[bool] = contextvars.ContextVar("agent_txn_writing", default=False)
 
 
 def _is_ledger_chain(constraint: str) -> bool:
@@ -105,6 +114,8 @@ class Work:
     #: PostgreSQL: blind writes held back until they are sent together (ledger/batched.py).
     _pending: list[PendingWrite] = field(default_factory=list)
     _pending_rows: set[Hashable] = field(default_factory=set)
+    #: Riders this transaction took on (:mod:`ledger.riders`), written by :meth:`flush`.
+    _riders: list[Rider] | None = None
 
     @property
     def db_now(self) -> ColumnElement[int]:
@@ -196,29 +207,66 @@ class Work:
         detail: Mapping[str, Any] | None = None,
     ) -> None:
         """Append a ledger row to this transaction's chain (written at commit)."""
+        row = self._link(chain, action, subject, from_state, to_state, detail)
+        self._rows.append(row)
+        self._heads[chain.tx_id] = (chain, row["hash"])
+
+    async def log_unless_taken(
+        self,
+        chain: Chain,
+        *,
+        action: str,
+        subject: str | None = None,
+        from_state: str | None = None,
+        to_state: str | None = None,
+        detail: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Append a ledger row to ``chain`` unless another holder appended to it first (it
+        holds the transaction's effect now), without failing this transaction either way: for
+        a write that must not fail its host (:mod:`ledger.riders`). Sent like :meth:`write`;
+        ``chain``'s head in memory is left alone (a rider's chain has no further use here)."""
+        row = self._link(chain, action, subject, from_state, to_state, detail)
+        dialect = self.store.dialect
+        stmt = self.statement(
+            "ledger.insert_unless_taken",
+            lambda _now: dialects.insert_ignore_statement(dialect, ledger_table),
+        )
+        await self.write(stmt, row)
+
+    def _link(
+        self,
+        chain: Chain,
+        action: str,
+        subject: str | None,
+        from_state: str | None,
+        to_state: str | None,
+        detail: Mapping[str, Any] | None,
+    ) -> dict[str, Any]:
         prev = self._heads[chain.tx_id][1] if chain.tx_id in self._heads else chain.head
         text = canonical_json(dict(detail)) if detail else "{}"
         digest = ledger_hash(
             prev, chain.tx_id, subject, action, from_state, to_state, text, self.now_ms
         )
-        self._rows.append(
-            {
-                "tx_id": chain.tx_id,
-                "subject": subject,
-                "action": action,
-                "from_state": from_state,
-                "to_state": to_state,
-                "detail": text,
-                "created_at": self.now_ms,
-                "prev_hash": prev,
-                "hash": digest,
-            }
-        )
-        self._heads[chain.tx_id] = (chain, digest)
+        return {
+            "tx_id": chain.tx_id,
+            "subject": subject,
+            "action": action,
+            "from_state": from_state,
+            "to_state": to_state,
+            "detail": text,
+            "created_at": self.now_ms,
+            "prev_hash": prev,
+            "hash": digest,
+        }
 
     async def flush(self) -> None:
         """Write the buffered ledger rows (and, on PostgreSQL, the held-back writes with them)
-        in one statement, just before the commit."""
+        in one statement, just before the commit. Riders waiting on the store board here."""
+        riders = self.store.riders
+        if riders.queued:
+            boarded = self._riders = riders.board()
+            for rider in boarded:
+                await rider.write(self)
         rows, self._rows = self._rows, []
         insert_row = self.statement("ledger.insert", _ledger_insert)
         if rows:
@@ -271,20 +319,24 @@ class _Translated:
     transaction, about four a saga; a class's ``__aenter__``/``__aexit__`` are two plain
     calls."""
 
-    __slots__ = ("_inner", "_store")
+    __slots__ = ("_inner", "_store", "_token", "_work")
 
     def __init__(self, store: Store, inner: contextlib.AbstractAsyncContextManager[Work]) -> None:
         self._store = store
         self._inner = inner
+        self._work: Work | None = None
 
     async def __aenter__(self) -> Work:
         self._store._open_writes += 1
+        self._token = _WRITING.set(True)
         try:
-            return await self._inner.__aenter__()
+            work = self._work = await self._inner.__aenter__()
         except BaseException as exc:
             self._store._open_writes -= 1
+            _WRITING.reset(self._token)
             _raise_translated(exc)
             raise
+        return work
 
     async def __aexit__(
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any
@@ -292,13 +344,23 @@ class _Translated:
         try:
             suppressed = await self._inner.__aexit__(kind, exc, tb)
         except BaseException as raised:
+            self._hand_on_riders(raised)
             _raise_translated(raised)
             raise
         finally:
             self._store._open_writes -= 1
+            _WRITING.reset(self._token)
         if exc is not None and not suppressed:
             _raise_translated(exc)
+        riders = self._work._riders if self._work is not None else None
+        if riders:
+            self._store.riders.landed(riders)
         return bool(suppressed)
+
+    def _hand_on_riders(self, exc: BaseException) -> None:
+        riders = self._work._riders if self._work is not None else None
+        if riders:
+            self._store.riders.failed(riders, exc)
 
 
 def _raise_translated(exc: BaseException) -> None:
@@ -347,6 +409,8 @@ class Store:
         self._idle: list[tuple[AsyncConnection, float]] = []
         #: Write transactions open now (:attr:`open_writes`).
         self._open_writes = 0
+        #: Records riding on the next transaction (:mod:`ledger.riders`).
+        self.riders = Riders(self._flush_riders)
         self.hot = HotPath(
             engine.sync_engine.dialect,
             self._count_statement,
@@ -468,6 +532,24 @@ class Store:
         this process (:class:`CommitGroup`); on PostgreSQL it is its own."""
         inner = self._grouped() if self._write_lock is not None else self._transaction()
         return _Translated(self, inner)
+
+    def riding_pays(self) -> bool:
+        """Whether a record that may ride (:mod:`ledger.riders`) should, rather than commit in a
+        transaction of its own now. On SQLite always: it joins whatever commit group comes
+        next. On PostgreSQL only when no other write transaction is open: with others open its
+        own transaction is batched with theirs (:mod:`ledger.grouped`), while as a rider it
+        would change its host's statement and keep the host out of its batch."""
+        return self._write_lock is not None or self._open_writes == 0
+
+    def ride(self, rider: Rider) -> None:
+        """Write ``rider`` in the next transaction that ends on this store (see
+        :mod:`ledger.riders`)."""
+        self.riders.add(rider)
+
+    async def _flush_riders(self) -> None:
+        if self.riders.queued:
+            async with self.transaction():
+                pass  # the transaction boards the queued riders as it ends (Work.flush)
 
     @property
     def open_writes(self) -> int:
@@ -703,7 +785,12 @@ class Store:
 
     @asynccontextmanager
     async def read(self) -> AsyncIterator[AsyncConnection]:
-        """A read-only transaction (DEFERRED on SQLite, so it never takes the writer lock)."""
+        """A read-only transaction (DEFERRED on SQLite, so it never takes the writer lock).
+
+        Riders queued on this store land first, so a process reads its own writes (unless the
+        read is made inside one of this task's write transactions)."""
+        if self.riders.waiting and not _WRITING.get():
+            await self.riders.settle()
         try:
             async with self.engine.connect() as raw:
                 conn = await raw.execution_options(**{dialects.READ_ONLY_OPTION: True})
@@ -724,7 +811,12 @@ class Store:
             await asyncio.shield(group.committer)
 
     async def close(self) -> None:
-        """Commit what is pending, then release every pooled connection."""
+        """Commit what is pending (riders included), then release every pooled connection."""
+        try:
+            await self.riders.settle()
+        except Exception as exc:
+            # Their effects stay leased to this worker; recovery settles them by lookup.
+            log.warning("riders not landed at close", error=type(exc).__name__)
         await self._settle_group(abandon=False)
         await self._close_writer()
         await self._close_idle()
@@ -733,7 +825,9 @@ class Store:
     async def abandon(self) -> None:
         """Drop every connection as a crashed process would: no lease is released, nothing else
         is written; uncommitted work was already rolled back by the database (a commit group
-        still waiting for its commit is rolled back: its writers were waiting, none acted)."""
+        still waiting for its commit is rolled back: its writers were waiting, none acted).
+        Riders are dropped, as a crash drops them."""
+        self.riders.drop()
         await self._settle_group(abandon=True)
         await self._close_writer()
         await self._close_idle()

@@ -6,7 +6,8 @@ state (operations, compensation steps, outbox), never at what the caller remembe
 economy: recording an effect's outcome and claiming the next effect share one local
 transaction (:meth:`SagaRun._advance` runs inside the record's transaction), so a happy saga of
 N steps and one outbox event costs N + 2 commits: prepare+claim, N-1 x record+claim,
-record+commit+outbox claim, outbox record.
+record+commit+outbox claim, outbox record. The last one rides on the store's next transaction
+(:mod:`ledger.riders`, :meth:`SagaRun._may_ride` says when), so a sequential caller pays N + 1.
 """
 
 from __future__ import annotations
@@ -73,6 +74,10 @@ class Services:
     on_terminal: TerminalHook | None = None
 
 
+#: Effect states that still need a claim, a call or a record.
+_UNSETTLED = frozenset({EffectState.PENDING, EffectState.UNKNOWN, EffectState.EXECUTING})
+
+
 def render_payload(template: Any, scope: Mapping[str, Any]) -> tuple[Any, str]:
     """Render a payload template of a parsed definition (validated when it was parsed);
     returns the payload and its fingerprint."""
@@ -128,6 +133,12 @@ class SagaRun:
                         self.services.metrics.lease_losses.inc()
                     raise
                 self._count(claim, decision)
+                if self._may_ride(claim, decision):
+                    # Nothing is sent after this record: it rides on the store's next
+                    # transaction instead of committing one of its own (ledger/riders.py).
+                    self._remember(claim, decision)
+                    store.ride(_Delivered(self, claim, decision))
+                    return
                 async with store.transaction() as work:
                     await self._keep_lease(work)
                     await self._record(work, claim, decision)
@@ -238,7 +249,25 @@ class SagaRun:
         if decision.lookups:
             m.reconciles.inc(decision.lookups)
 
+    def _may_ride(self, claim: Claim, decision: Decision) -> bool:
+        """Whether the record of ``decision`` can ride on a later transaction: the saga's last
+        unsettled outbox event was delivered, so nothing else is claimed, sent or written for
+        it, and losing the record costs a lookup at most (the event stays ``executing`` under
+        this worker's lease)."""
+        if claim.kind is not EffectKind.OUTBOX or decision.state is not EffectState.CONFIRMED:
+            return False
+        for ev in self.events:
+            if ev.key != claim.key and ev.state in _UNSETTLED:
+                return False
+        return self.services.store.riding_pays()
+
     async def _record(self, work: Work, claim: Claim, decision: Decision) -> None:
+        await self._write_record(work, claim, decision)
+        self._remember(claim, decision)
+
+    async def _write_record(
+        self, work: Work, claim: Claim, decision: Decision, *, may_be_taken: bool = False
+    ) -> None:
         retry_in: int | None = None
         if decision.in_doubt:
             s = self.services.settings
@@ -258,7 +287,10 @@ class SagaRun:
             retry_in_ms=retry_in,
             lookups=decision.lookups,
             detail=detail,
+            may_be_taken=may_be_taken,
         )
+
+    def _remember(self, claim: Claim, decision: Decision) -> None:
         self._replace(
             claim.kind,
             claim.key,
@@ -761,3 +793,24 @@ def _fingerprint_or_none(payload: Any) -> str | None:
         return fingerprint(payload)
     except NotCanonicalizable:
         return None
+
+
+@dataclass(slots=True)
+class _Delivered:
+    """The record of a saga's last outbox event, delivered: a :class:`ledger.riders.Rider`.
+
+    Its crash points are the ones the record would have hit in a transaction of its own, in
+    the same places: written and not committed, then committed."""
+
+    run: SagaRun
+    claim: Claim
+    decision: Decision
+
+    async def write(self, work: Work) -> None:
+        run = self.run
+        await run._write_record(work, self.claim, self.decision, may_be_taken=True)
+        run.services.crashpoints.hit("record.before_commit", **run._ctx_of(None, self.decision))
+
+    def landed(self) -> None:
+        run = self.run
+        run.services.crashpoints.hit("record.after_commit", tx_id=run.tx_id, kind="record")
