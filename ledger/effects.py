@@ -673,7 +673,7 @@ async def record(
         "detail": log_detail,
     }
     if may_be_taken:
-        await work.log_unless_taken(chain, **link)
+        await work.log_unless_taken(chain, link)
     else:
         work.log(chain, **link)
 

@@ -211,21 +211,13 @@ class Work:
         self._rows.append(row)
         self._heads[chain.tx_id] = (chain, row["hash"])
 
-    async def log_unless_taken(
-        self,
-        chain: Chain,
-        *,
-        action: str,
-        subject: str | None = None,
-        from_state: str | None = None,
-        to_state: str | None = None,
-        detail: Mapping[str, Any] | None = None,
-    ) -> None:
+    async def log_unless_taken(self, chain: Chain, link: Mapping[str, Any]) -> None:
         """Append a ledger row to ``chain`` unless another holder appended to it first (it
         holds the transaction's effect now), without failing this transaction either way: for
         a write that must not fail its host (:mod:`ledger.riders`). Sent like :meth:`write`;
-        ``chain``'s head in memory is left alone (a rider's chain has no further use here)."""
-        row = self._link(chain, action, subject, from_state, to_state, detail)
+        ``chain``'s head in memory is left alone (a rider's chain has no further use here).
+        ``link``: :meth:`log`'s keyword arguments."""
+        row = self._link(chain, **link)
         dialect = self.store.dialect
         stmt = self.statement(
             "ledger.insert_unless_taken",
