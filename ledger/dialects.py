@@ -344,8 +344,8 @@ def insert_ignore(dialect: Dialect, table: Table, values: dict[str, Any]) -> Ins
 def insert_ignore_statement(dialect: Dialect, table: Table) -> Insert:
     """:func:`insert_ignore` whose values come with each execution's parameters (no implicit
     ``RETURNING``, so it can ride in a batch: :mod:`ledger.batched`)."""
-    stmt = postgresql_insert(table) if dialect == "postgresql" else sqlite_insert(table)
-    return stmt.on_conflict_do_nothing().inline()
+    stmt: Insert = upsert_insert(dialect, table).on_conflict_do_nothing().inline()
+    return stmt
 
 
 def upsert_insert(dialect: Dialect, table: Table) -> Any:

@@ -313,10 +313,11 @@ class _Translated:
 
     __slots__ = ("_inner", "_store", "_token", "_work")
 
+    _work: Work  # set by __aenter__; __aexit__ only runs after it succeeded
+
     def __init__(self, store: Store, inner: contextlib.AbstractAsyncContextManager[Work]) -> None:
         self._store = store
         self._inner = inner
-        self._work: Work | None = None
 
     async def __aenter__(self) -> Work:
         self._store._open_writes += 1
@@ -344,13 +345,13 @@ class _Translated:
             _WRITING.reset(self._token)
         if exc is not None and not suppressed:
             _raise_translated(exc)
-        riders = self._work._riders if self._work is not None else None
+        riders = self._work._riders
         if riders:
             self._store.riders.landed(riders)
         return bool(suppressed)
 
     def _hand_on_riders(self, exc: BaseException) -> None:
-        riders = self._work._riders if self._work is not None else None
+        riders = self._work._riders
         if riders:
             self._store.riders.failed(riders, exc)
 

@@ -33,7 +33,7 @@ from ledger import effects, transactions
 from ledger.canonical import NotCanonicalizable, canonical_json, fingerprint
 from ledger.effects import Claim, Effect, EffectKind
 from ledger.errors import LeaseLost, StorageError
-from ledger.states import TX_TERMINAL, EffectState, TxState
+from ledger.states import CLAIMABLE, TX_TERMINAL, EffectState, TxState
 from ledger.store import Chain, Store, Work
 from ledger.transactions import TxClaim
 from orchestrator import expressions, keys
@@ -72,10 +72,6 @@ class Services:
     metrics: Metrics | None = None
     gate: StepGate | None = None
     on_terminal: TerminalHook | None = None
-
-
-#: Effect states that still need a claim, a call or a record.
-_UNSETTLED = frozenset({EffectState.PENDING, EffectState.UNKNOWN, EffectState.EXECUTING})
 
 
 def render_payload(template: Any, scope: Mapping[str, Any]) -> tuple[Any, str]:
@@ -257,7 +253,7 @@ class SagaRun:
         if claim.kind is not EffectKind.OUTBOX or decision.state is not EffectState.CONFIRMED:
             return False
         for ev in self.events:
-            if ev.key != claim.key and ev.state in _UNSETTLED:
+            if ev.key != claim.key and ev.state in CLAIMABLE:
                 return False
         return self.services.store.riding_pays()
 
