@@ -34,6 +34,7 @@ from rich.console import Console
 from rich.table import Table
 
 from fault_injection.bench import PROVIDERS, BenchConfig, BenchResult, run_bench
+from fault_injection.bench_environment import describe, one_line
 from fault_injection.steal import read_cpu_times, stolen_share
 
 app = typer.Typer(
@@ -148,7 +149,7 @@ def bench(
     ] = False,
 ) -> None:
     """Run the order saga (reserve + charge, receipt via the outbox) and report its costs."""
-    from fault_injection.cli import checked_db
+    from fault_injection.cli import checked_db, run_job
 
     checked_db(db)
     out = Console(highlight=False, soft_wrap=True)
@@ -189,13 +190,16 @@ def bench(
         workers=workers,
         recovery=recovery,
     )
+    environment = asyncio.run(describe(db, compare=compare))
+    out.print(one_line(environment))
     if compare is None:
-        result = asyncio.run(run_bench(config, db=db))
+        result = run_job(run_bench(config, db=db))
         render(result, out)
         data = result.as_json()
         ok = result.check.ok
     else:
         data, ok = _compare(config, db, pairs, dbos_sqlite, out, match_time=match_time)
+    data["environment"] = environment
     if json_path is not None:
         json_path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
     if not ok:
@@ -219,13 +223,14 @@ def _compare(
     """Ours, then DBOS's, ``pairs`` times in this process; the ratio printed per pair.
     ``match_time``: our half's size follows DBOS's last half (:func:`matched_sagas`)."""
     from fault_injection.bench_dbos import ComparePair, compare_json, matched_sagas, run_dbos
+    from fault_injection.cli import run_job
 
     done: list[ComparePair] = []
     ours_sagas = config.sagas
     with tempfile.TemporaryDirectory(prefix="bench-dbos-") as tmp:
         for i in range(pairs):
             start = read_cpu_times()
-            ours = asyncio.run(run_bench(dataclasses.replace(config, sagas=ours_sagas), db=db))
+            ours = run_job(run_bench(dataclasses.replace(config, sagas=ours_sagas), db=db))
             middle = read_cpu_times()
             theirs = run_dbos(
                 db,

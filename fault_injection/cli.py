@@ -13,14 +13,13 @@ violation, 2 on bad usage.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import random
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
@@ -46,6 +45,18 @@ def checked_db(url: str | None, option: str = "--db") -> None:
     except Exception as exc:  # ArgumentError, ValueError: both are the user's typo
         Console(stderr=True, highlight=False).print(f"error: {option}: {escape(str(exc))}")
         raise typer.Exit(2) from None
+
+
+T = TypeVar("T")
+
+
+def run_job(job: Coroutine[Any, Any, T]) -> T:
+    """Run ``job`` as every ``agent-txn`` command does (``orchestrator.cli``): a database that
+    cannot be reached, or any other expected failure, ends as one line on stderr and exit code
+    2, not a traceback. A scenario's own failures are its result, not this."""
+    from orchestrator import cli
+
+    return cli._run(job)
 
 
 def _console() -> Console:
@@ -95,7 +106,7 @@ def run(
                 if not result.passed and result.repro:
                     progress.console.print(f"  reproduce: {escape(result.repro)}")
 
-            results = asyncio.run(
+            results = run_job(
                 _run_one(
                     name,
                     db,
@@ -205,7 +216,7 @@ def check(
     from fault_injection.invariants import check_invariants
 
     out = _console()
-    report = asyncio.run(check_invariants(db, provider_db, require_settled=settled))
+    report = run_job(check_invariants(db, provider_db, require_settled=settled))
     out.print(json.dumps(report.to_json(), indent=2, default=str))
     raise typer.Exit(0 if report.ok else 1)
 
@@ -257,6 +268,6 @@ def fleet(
             "invariant_violations": len(checked.violations),
         }
 
-    result = asyncio.run(job())
+    result = run_job(job())
     _console().print(json.dumps(result, indent=2))
     raise typer.Exit(0 if result["invariant_violations"] == 0 else 1)

@@ -373,3 +373,24 @@ def test_bad_database_urls_are_one_clean_line(args: list[str]) -> None:
     )
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr and "unsupported database" in done.stderr
+
+
+#: A PostgreSQL URL nothing listens on: port 1 refuses the connection at once.
+UNREACHABLE_PG = "postgresql://postgres@127.0.0.1:1/postgres"
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["bench", "--db", UNREACHABLE_PG, "--sagas", "1"],
+        ["fault-inject", "run", "--suite", "seed", "--db", UNREACHABLE_PG],
+        ["fault-inject", "check", "--db", UNREACHABLE_PG, "--provider-db", UNREACHABLE_PG],
+    ],
+)
+def test_unreachable_database_is_one_clean_line(args: list[str], tmp_path: Path) -> None:
+    """The suite's commands report a server they cannot reach as the engine's commands do: one
+    ``error:`` line and exit code 2 (they printed the driver's traceback before)."""
+    run = cli(*args, cwd=tmp_path)
+    assert run.code == 2, (run.out, run.err)
+    assert "Traceback" not in run.err
+    assert run.err.strip() == "error: StoreUnavailable: database unreachable", run.err

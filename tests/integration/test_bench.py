@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import logging
+import platform
+import sqlite3
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +22,11 @@ from fault_injection import bench_steady
 from fault_injection.bench import BenchConfig, run_bench
 from fault_injection.bench_cli import app
 from fault_injection.bench_dbos import MATCH_CAP, dbos_available
+from fault_injection.bench_environment import describe, package_version
 from fault_injection.contract_checks import check_provider_contract
 from fault_injection.harness import DatabasePair
 from fault_injection.steal import read_cpu_times
+from ledger import dialects
 from providers.contract import Confirmed, FencedOut, Rejected
 from providers.memory import MemoryShop
 from tests.conftest import DbUrls
@@ -93,6 +97,32 @@ def test_bench_cli_writes_stable_json_keys(tmp_path: Path) -> None:
         assert key in data
     assert data["backend"] == "sqlite"
     assert data["sagas"] == 5
+    environment = data["environment"]
+    assert environment["python"].endswith(platform.python_version())
+    assert environment["sqlite"] == sqlite3.sqlite_version
+    assert environment["postgresql"] is None and environment["dbos"] is None
+    assert f"SQLite {sqlite3.sqlite_version}" in got.output
+
+
+async def test_bench_environment_names_the_server_it_ran_on(db_urls: DbUrls) -> None:
+    """On PostgreSQL the server's own version (read here through another connection), on
+    SQLite none; the SQLite library is named either way (DBOS links the same one)."""
+    on_postgres = db_urls.backend == "postgres"
+    environment = await describe(db_urls.store if on_postgres else None, compare="dbos")
+
+    assert environment["sqlite"] == sqlite3.sqlite_version
+    assert environment["dbos"] == package_version("dbos")
+    assert environment["agent_txn"] == package_version("agent-txn") is not None
+    if not on_postgres:
+        assert environment["postgresql"] is None
+        return
+    engine = dialects.create_engine(dialects.normalize_url(db_urls.store))
+    try:
+        async with engine.connect() as conn:
+            row = await conn.exec_driver_sql("SELECT current_setting('server_version')")
+            assert environment["postgresql"] == row.scalar_one()
+    finally:
+        await engine.dispose()
 
 
 def test_bench_cli_refuses_unknown_provider() -> None:

@@ -1,0 +1,120 @@
+"""What a benchmark ran on: the machine, the interpreter and the versions of what it measured.
+
+Why: two machines of one description (2 cores, 24 GiB) do not give one ratio. On 2026-12-04
+the same engine's SQLite verdict against DBOS at C = 16 was 9.80x on one machine and 10.55x on
+another a few hours later, an Intel Xeon (``docs/benchmarks.md``; the first one's processor was
+not recorded): the two engines' CPU per saga does not scale alike across processors. A result
+is comparable with another only when both say where they were measured, so every run of
+``agent-txn bench`` prints this and ``--json`` keeps it under ``environment``.
+
+Read from the running process and the database server, never configured: the processor's model
+name (``/proc/cpuinfo``; ``platform.processor()`` where there is none), the CPUs the process
+may use, the operating system and architecture, Python, the SQLite library the engine (and DBOS)
+link, the PostgreSQL server's version when the run is on PostgreSQL, and the versions of
+agent-txn and, with ``--compare dbos``, of DBOS.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import platform
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import text
+
+from ledger import dialects
+
+CPUINFO = Path("/proc/cpuinfo")
+
+
+def processor_model(cpuinfo: Path = CPUINFO) -> str | None:
+    """The processor's model name as the kernel reports it, or the platform's own guess; ``None``
+    when neither says anything."""
+    try:
+        for line in cpuinfo.read_text(encoding="utf-8", errors="replace").splitlines():
+            key, sep, value = line.partition(":")
+            if sep and key.strip() == "model name" and value.strip():
+                return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+def usable_cpus() -> int | None:
+    """CPUs this process may run on (its affinity where the OS has one, else all of them)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count()
+
+
+def package_version(name: str) -> str | None:
+    """The installed version of distribution ``name``, ``None`` if it is not installed."""
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+async def postgres_server_version(url: str) -> str:
+    """``server_version`` of the PostgreSQL server ``url`` names (one short connection)."""
+    engine = dialects.create_engine(dialects.normalize_url(url))
+    try:
+        async with engine.connect() as conn:
+            return str((await conn.execute(text("SHOW server_version"))).scalar_one())
+    finally:
+        await engine.dispose()
+
+
+async def _server_version_or_none(url: str) -> str | None:
+    # A server the bench cannot reach fails the run itself a moment later, with the error the
+    # bench gives for it; the description only says it could not read the version.
+    try:
+        return await postgres_server_version(url)
+    except Exception:
+        return None
+
+
+async def describe(db: str | None, *, compare: str | None = None) -> dict[str, Any]:
+    """The environment of a run on ``db`` (``None``: SQLite files), under stable keys."""
+    on_postgres = db is not None and dialects.dialect_of(dialects.normalize_url(db)) == "postgresql"
+    return {
+        "processor": processor_model(),
+        "cpus": usable_cpus(),
+        "os": f"{platform.system()} {platform.release()}",
+        "arch": platform.machine(),
+        "python": f"{platform.python_implementation()} {platform.python_version()}",
+        "sqlite": sqlite3.sqlite_version,
+        "postgresql": await _server_version_or_none(db) if on_postgres and db else None,
+        "agent_txn": package_version("agent-txn"),
+        "dbos": package_version("dbos") if compare == "dbos" else None,
+    }
+
+
+def one_line(environment: dict[str, Any]) -> str:
+    """The environment as the line the bench prints before its results."""
+    parts = [
+        f"{environment['processor'] or 'unknown processor'}, {environment['cpus']} CPUs",
+        f"{environment['os']} {environment['arch']}",
+        environment["python"],
+        f"SQLite {environment['sqlite']}",
+    ]
+    if environment["postgresql"]:
+        parts.append(f"PostgreSQL {environment['postgresql']}")
+    parts.append(f"agent-txn {environment['agent_txn'] or '(not installed)'}")
+    if environment["dbos"]:
+        parts.append(f"dbos {environment['dbos']}")
+    return "on: " + " · ".join(parts)
+
+
+__all__ = [
+    "describe",
+    "one_line",
+    "package_version",
+    "postgres_server_version",
+    "processor_model",
+    "usable_cpus",
+]
