@@ -13,7 +13,9 @@
 prepared; PostgreSQL), ``--recovery`` (N sagas left in doubt by a crash, W fresh worker
 processes timed until all are terminal). ``--compare dbos`` alternates ours and DBOS's, pair by
 pair (in-process modes only). Exit status: 0 when the bench's checker found exactly one effect
-per intent, 1 otherwise, 2 on bad usage.
+per intent, 1 otherwise, 2 on bad usage or a database that cannot be reached (one ``error:``
+line, as every ``agent-txn`` command). Every run first prints what it runs on
+(:mod:`fault_injection.bench_environment`).
 
 Lives in ``fault_injection`` (not ``orchestrator``) because it needs the shops and the suite's
 order saga, which the orchestrator layer must not import; it is plugged in through the
