@@ -80,7 +80,9 @@ async def _server_version_or_none(url: str) -> str | None:
 
 async def describe(db: str | None, *, compare: str | None = None) -> dict[str, Any]:
     """The environment of a run on ``db`` (``None``: SQLite files), under stable keys."""
-    on_postgres = db is not None and dialects.dialect_of(dialects.normalize_url(db)) == "postgresql"
+    postgresql = None
+    if db is not None and dialects.dialect_of(dialects.normalize_url(db)) == "postgresql":
+        postgresql = await _server_version_or_none(db)
     return {
         "processor": processor_model(),
         "cpus": usable_cpus(),
@@ -88,7 +90,7 @@ async def describe(db: str | None, *, compare: str | None = None) -> dict[str, A
         "arch": platform.machine(),
         "python": f"{platform.python_implementation()} {platform.python_version()}",
         "sqlite": sqlite3.sqlite_version,
-        "postgresql": await _server_version_or_none(db) if on_postgres and db else None,
+        "postgresql": postgresql,
         "agent_txn": package_version("agent-txn"),
         "dbos": package_version("dbos") if compare == "dbos" else None,
     }

@@ -19,7 +19,7 @@ import tempfile
 import time
 from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, NoReturn, TypeVar
 
 import typer
 from rich.console import Console
@@ -36,15 +36,27 @@ app = typer.Typer(
 SUITES = ("seed", "faults", "concurrency", "matrix", "random", "all")
 
 
-def checked_db(url: str | None, option: str = "--db") -> None:
-    """Refuse an unsupported or malformed URL with one line and exit code 2."""
+def checked_db(url: str | None, option: str = "--db", *, must_exist: bool = False) -> None:
+    """Refuse an unsupported or malformed URL with one line and exit code 2; with
+    ``must_exist``, a SQLite file that is not there too (connecting would create an empty one
+    and leave it behind, as ``orchestrator.cli._require_existing`` says for read commands)."""
     if url is None:
         return
     try:
         dialect_of(normalize_url(url))
     except Exception as exc:  # ArgumentError, ValueError: both are the user's typo
-        Console(stderr=True, highlight=False).print(f"error: {option}: {escape(str(exc))}")
-        raise typer.Exit(2) from None
+        _refuse(f"{option}: {exc}")
+    if must_exist:
+        from orchestrator import cli
+
+        path = cli._sqlite_path(normalize_url(url))
+        if path is not None and not path.exists():
+            _refuse(f"{option}: no database at {path}")
+
+
+def _refuse(message: str) -> NoReturn:
+    Console(stderr=True, highlight=False).print(f"error: {escape(message)}", soft_wrap=True)
+    raise typer.Exit(2) from None
 
 
 T = TypeVar("T")
@@ -211,8 +223,8 @@ def check(
     settled: Annotated[bool, typer.Option(help="Require every transaction settled.")] = True,
 ) -> None:
     """Run the invariant checker over an existing pair of databases."""
-    checked_db(db)
-    checked_db(provider_db, "--provider-db")
+    checked_db(db, must_exist=True)
+    checked_db(provider_db, "--provider-db", must_exist=True)
     from fault_injection.invariants import check_invariants
 
     out = _console()

@@ -336,9 +336,8 @@ def _constraint_hint(text: str) -> str:
 
 def insert_ignore(dialect: Dialect, table: Table, values: dict[str, Any]) -> Insert:
     """``INSERT … ON CONFLICT DO NOTHING`` for content-addressed rows written by many writers."""
-    if dialect == "postgresql":
-        return postgresql_insert(table).values(values).on_conflict_do_nothing()
-    return sqlite_insert(table).values(values).on_conflict_do_nothing()
+    stmt: Insert = upsert_insert(dialect, table).values(values).on_conflict_do_nothing()
+    return stmt
 
 
 def insert_ignore_statement(dialect: Dialect, table: Table) -> Insert:

@@ -394,3 +394,17 @@ def test_unreachable_database_is_one_clean_line(args: list[str], tmp_path: Path)
     assert run.code == 2, (run.out, run.err)
     assert "Traceback" not in run.err
     assert run.err.strip() == "error: StoreUnavailable: database unreachable", run.err
+
+
+def test_fault_inject_check_needs_existing_sqlite_files(tmp_path: Path) -> None:
+    """``check`` reads a pair of databases: a SQLite path that is not there is one error line,
+    and no empty file is left behind (connecting would have created one)."""
+    ours, theirs = tmp_path / "agent.db", tmp_path / "provider.db"
+    run = cli(
+        *("fault-inject", "check", "--db", f"sqlite:///{ours}"),
+        *("--provider-db", f"sqlite:///{theirs}"),
+        cwd=tmp_path,
+    )
+    assert_clean_failure(run)
+    assert run.err.strip() == f"error: --db: no database at {ours}"
+    assert not ours.exists() and not theirs.exists()
