@@ -57,6 +57,7 @@ from typing import TYPE_CHECKING, Any
 
 from ledger.canonical import plain_json
 from ledger.errors import LeaseLost
+from ledger.frozen import quick_init
 
 if TYPE_CHECKING:  # ledger.hot imports this module
     from ledger.hot import Compiled
@@ -68,6 +69,7 @@ _PLACEHOLDER = re.compile(r"\$(\d+)")
 _INVALID_TEXT_REPRESENTATION = "22P02"
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class PendingWrite:
     """One blind write held back until the transaction's writes are sent."""

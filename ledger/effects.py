@@ -40,7 +40,7 @@ from sqlalchemy.sql.dml import Insert, ReturningUpdate, Update
 from sqlalchemy.sql.selectable import Select
 
 from ledger.errors import LeaseLost
-from ledger.frozen import replacer
+from ledger.frozen import quick_init, replacer
 from ledger.schema import (
     Json,
     compensation_steps,
@@ -87,6 +87,7 @@ def _key(kind: EffectKind) -> ColumnElement[str]:
     return _TABLES[kind].c[_KEY_COLUMN[kind]]
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class Effect:
     """One effect row as stored."""
@@ -119,6 +120,7 @@ class Effect:
 replace_effect = replacer(Effect)
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class NewEffect:
     """An effect to plan. ``payload`` may be ``None`` when it is rendered just before its claim."""
@@ -134,6 +136,7 @@ class NewEffect:
     forward_op_key: str | None = None
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class Claim:
     """Proof of a successful claim: the fence every later write of this holder must carry."""

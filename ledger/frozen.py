@@ -1,5 +1,5 @@
-"""``dataclasses.replace`` for the frozen, slotted records the hot path rebuilds, at a third of
-the cost.
+"""``dataclasses.replace`` and ``__init__`` for the frozen, slotted records the hot path
+builds, at a fraction of the cost.
 
 Why: a saga's driver keeps its effects as frozen :class:`~ledger.effects.Effect` records and
 rebuilds one on every recorded outcome (about five per saga); ``dataclasses.replace`` on its 22
@@ -11,6 +11,13 @@ each slot straight across, with only the changed ones taken from the keywords. I
 fields are all set by ``__init__`` and that have no ``__post_init__`` (checked once, when the
 function is built), and it refuses a keyword that is not a field with ``TypeError``, as
 ``dataclasses.replace`` does.
+
+:func:`quick_init` does the same for construction. A frozen dataclass's generated ``__init__``
+sets each field as ``object.__setattr__(self, 'name', value)`` — a global lookup, an attribute
+lookup and a by-name search of the class's MRO per field — because its own ``__setattr__``
+refuses. A saga builds about fifteen such records (its effects, claims, decisions: some 165
+fields in all), and that ``__init__`` was the largest single frame of its own in the bench's
+profile after the SQLite statements and the JSON encoder (``docs/benchmarks.md``, item 57).
 """
 
 from __future__ import annotations
@@ -23,15 +30,33 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 
-def replacer(cls: type[T]) -> Callable[..., T]:
-    """A function ``(obj, **changes) -> T`` equal to ``dataclasses.replace`` for ``cls``."""
+def _fields(cls: type[Any]) -> tuple[dataclasses.Field[Any], ...]:
+    """The fields of a frozen, slotted dataclass whose fields are all set by ``__init__`` and
+    that has no ``__post_init__``; ``TypeError`` for any other class."""
     params = getattr(cls, "__dataclass_params__", None)
     if params is None or not params.frozen or "__slots__" not in cls.__dict__:
         raise TypeError(f"{cls.__name__} is not a frozen, slotted dataclass")
-    fields = dataclasses.fields(cls)  # type: ignore[arg-type]
+    fields = dataclasses.fields(cls)
     if hasattr(cls, "__post_init__") or any(not f.init for f in fields):
         raise TypeError(f"{cls.__name__} sets fields outside __init__")
-    names = tuple(f.name for f in fields)
+    return fields
+
+
+def _slot_setters(cls: type[Any], names: tuple[str, ...]) -> dict[str, Any]:
+    """``set_<name>``: each field's slot descriptor's ``__set__`` (a field may live in a
+    slotted base class's slots)."""
+    setters: dict[str, Any] = {}
+    for n in names:
+        slot = next((k.__dict__[n] for k in cls.__mro__ if n in k.__dict__), None)
+        if not isinstance(slot, types.MemberDescriptorType):
+            raise TypeError(f"{cls.__name__}.{n} is not a slot")
+        setters[f"set_{n}"] = slot.__set__
+    return setters
+
+
+def replacer(cls: type[T]) -> Callable[..., T]:
+    """A function ``(obj, **changes) -> T`` equal to ``dataclasses.replace`` for ``cls``."""
+    names = tuple(f.name for f in _fields(cls))
     lines = [
         "def replace(obj, /, **changes):",
         "    if not changes.keys() <= names:",
@@ -47,13 +72,56 @@ def replacer(cls: type[T]) -> Callable[..., T]:
         "names": frozenset(names),
         "cls": cls,
         "new_instance": object.__new__,
+        **_slot_setters(cls, names),
     }
-    for n in names:  # a field may live in a slotted base class's slots
-        slot = next((k.__dict__[n] for k in cls.__mro__ if n in k.__dict__), None)
-        if not isinstance(slot, types.MemberDescriptorType):
-            raise TypeError(f"{cls.__name__}.{n} is not a slot")
-        scope[f"set_{n}"] = slot.__set__
     exec("\n".join(lines), scope)
     replace: Callable[..., T] = scope["replace"]
     replace.__qualname__ = replace.__name__ = f"replace_{cls.__name__}"
     return replace
+
+
+C = TypeVar("C", bound=type[Any])
+
+
+def quick_init(cls: C) -> C:
+    """Class decorator (above ``@dataclass(frozen=True, slots=True)``): replace the class's
+    ``__init__`` with one that takes the same arguments — the same names, order, defaults and
+    default factories — and sets each slot through its own descriptor.
+
+    It accepts what :func:`replacer` accepts, and refuses keyword-only fields (the generated
+    signature has none). The instances it builds are the ones the dataclass's own
+    ``__init__`` builds: equal, hashed alike, still frozen."""
+    fields = _fields(cls)
+    if any(f.kw_only is True for f in fields):
+        raise TypeError(f"{cls.__name__} has keyword-only fields")
+    names = tuple(f.name for f in fields)
+    scope: dict[str, Any] = {"HAS_FACTORY": _HAS_FACTORY, **_slot_setters(cls, names)}
+    params, body = ["self"], []
+    for f in fields:
+        value = f.name
+        if f.default is not dataclasses.MISSING:
+            scope[f"default_{f.name}"] = f.default
+            params.append(f"{f.name}=default_{f.name}")
+        elif f.default_factory is not dataclasses.MISSING:
+            scope[f"factory_{f.name}"] = f.default_factory
+            params.append(f"{f.name}=HAS_FACTORY")
+            value = f"factory_{f.name}() if {f.name} is HAS_FACTORY else {f.name}"
+        else:
+            params.append(f.name)
+        body.append(f"    set_{f.name}(self, {value})")
+    exec(f"def __init__({', '.join(params)}):\n" + "\n".join(body or ["    pass"]), scope)
+    init = scope["__init__"]
+    init.__qualname__ = f"{cls.__qualname__}.__init__"
+    init.__module__ = cls.__module__
+    cls.__init__ = init
+    return cls
+
+
+class _HasFactory:
+    """The default of a field with a default factory, as ``dataclasses`` marks it."""
+
+    def __repr__(self) -> str:
+        return "<factory>"
+
+
+_HAS_FACTORY = _HasFactory()

@@ -30,7 +30,7 @@ from sqlalchemy.sql.dml import Insert, ReturningUpdate, Update
 
 from ledger import dialects, events
 from ledger.errors import LeaseLost
-from ledger.frozen import replacer
+from ledger.frozen import quick_init, replacer
 from ledger.schema import Json, transactions, transactions_due, transactions_live
 from ledger.states import RESUMABLE, TX_TERMINAL, TxState, check_tx_transition
 from ledger.store import Chain, Work
@@ -64,6 +64,7 @@ class TxRecord:
         return self.status in TX_TERMINAL
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class TxClaim:
     """The lease on a transaction: its fence guards every status change of the holder."""

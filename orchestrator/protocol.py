@@ -27,6 +27,7 @@ import structlog
 from compensation.policy import REASON_BUDGET, REASON_PAYLOAD, REASON_WINDOW, RetryBudget
 from ledger.effects import Claim
 from ledger.errors import LeaseLost
+from ledger.frozen import quick_init
 from ledger.states import EffectState
 from orchestrator.crashpoints import CrashPoints
 from orchestrator.logging import info_enabled
@@ -46,6 +47,7 @@ log = structlog.get_logger(__name__)
 T = TypeVar("T")
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class Decision:
     """What the provider's answers prove about one claimed effect."""

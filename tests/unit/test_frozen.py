@@ -1,5 +1,6 @@
-"""ledger.frozen.replacer: what dataclasses.replace gives, for the classes it accepts, and a
-refusal for the ones it does not."""
+"""ledger.frozen: ``replacer`` gives what dataclasses.replace gives and ``quick_init`` builds
+what the dataclass's own ``__init__`` builds, for the classes they accept, and both refuse the
+ones they do not."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ledger.effects import Effect, EffectKind, replace_effect
-from ledger.frozen import replacer
+from ledger.frozen import quick_init, replacer
 from ledger.states import EffectState
 
 FIELDS = [f.name for f in dataclasses.fields(Effect)]
@@ -87,3 +88,86 @@ def test_fields_of_a_slotted_base_class_are_copied_too() -> None:
 def test_a_class_it_would_copy_wrongly_is_refused(cls: type) -> None:
     with pytest.raises(TypeError):
         replacer(cls)
+
+
+@pytest.mark.parametrize("cls", [_NoSlots, _NotFrozen, _PostInit, _NotInInit, int])
+def test_quick_init_refuses_what_replacer_refuses(cls: type) -> None:
+    with pytest.raises(TypeError):
+        quick_init(cls)
+
+
+def test_quick_init_refuses_keyword_only_fields() -> None:
+    @dataclass(frozen=True, slots=True, kw_only=True)
+    class KeywordOnly:
+        a: int
+
+    with pytest.raises(TypeError, match="keyword-only"):
+        quick_init(KeywordOnly)
+
+
+def _shaped() -> type:
+    """A fresh class with a required field, a default, a default factory and a field whose
+    default is a shared object (dataclasses keeps it shared, so must quick_init)."""
+
+    @dataclass(frozen=True, slots=True)
+    class Shaped:
+        a: int
+        b: str | None
+        c: int = 3
+        d: list[int] = dataclasses.field(default_factory=list)
+        e: tuple[int, ...] = (1, 2)
+
+    return Shaped
+
+
+Reference = _shaped()
+Quick = quick_init(_shaped())
+
+
+@given(
+    a=st.integers(),
+    b=st.one_of(st.none(), st.text(max_size=4)),
+    rest=st.dictionaries(
+        st.sampled_from(["c", "d", "e"]), st.one_of(st.integers(), st.lists(st.integers()))
+    ),
+    positional=st.booleans(),
+)
+def test_quick_init_builds_what_the_dataclass_builds(
+    a: int, b: str | None, rest: dict[str, Any], positional: bool
+) -> None:
+    args: tuple[Any, ...] = (a, b) if positional else ()
+    kwargs = dict(rest) if positional else {"a": a, "b": b, **rest}
+    fast, reference = Quick(*args, **kwargs), Reference(*args, **kwargs)
+    assert dataclasses.astuple(fast) == dataclasses.astuple(reference)
+    assert repr(fast) == repr(reference)  # both classes are named _shaped.<locals>.Shaped
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        fast.a = 1
+
+
+def test_quick_init_calls_the_factory_per_instance_and_keeps_plain_defaults_shared() -> None:
+    one, two = Quick(1, None), Quick(2, None)
+    assert one.d == [] and one.d is not two.d
+    assert one.e is two.e is Reference(1, None).e
+
+
+def test_quick_init_refuses_what_the_dataclass_refuses() -> None:
+    with pytest.raises(TypeError):
+        Quick(1)  # b is required
+    with pytest.raises(TypeError):
+        Quick(1, None, f=2)  # no such field
+    with pytest.raises(TypeError):
+        Quick(1, None, a=2)  # a given twice
+
+
+def test_quick_init_sets_fields_of_a_slotted_base_class() -> None:
+    values = {name: getattr(_effect(), name) for name in FIELDS}
+    fast = quick_init(_shaped_derived())(**values, extra=4)
+    assert dataclasses.astuple(fast) == dataclasses.astuple(_Derived(**values, extra=4))
+
+
+def _shaped_derived() -> type:
+    @dataclass(frozen=True, slots=True)
+    class Derived(Effect):
+        extra: int = 0
+
+    return Derived
