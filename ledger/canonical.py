@@ -67,11 +67,6 @@ _canonical = _prebuilt(sort_keys=True, separators=(",", ":"), allow_nan=False)
 plain_json = _prebuilt(sort_keys=False, separators=(", ", ": "), allow_nan=True)
 
 
-#: A string as canonical JSON writes it (quoted, non-ASCII escaped): the C function the
-#: encoder above uses for every string, for callers that write a fixed shape out themselves.
-quote_json_string: Callable[[str], str] = encode_basestring_ascii
-
-
 def canonical_json(value: Any) -> str:
     """The canonical JSON text of ``value``; raises :class:`NotCanonicalizable` if it has none."""
     try:

@@ -32,7 +32,7 @@ from sqlalchemy.util import await_only
 
 from ledger import dialects
 from ledger.batched import PendingWrite
-from ledger.canonical import canonical_json, quote_json_string, sha256_hex
+from ledger.canonical import canonical_json, sha256_hex
 from ledger.errors import DuplicateKey, LeaseLost, StoreUnavailable
 from ledger.hot import Compiled, HotPath
 from ledger.riders import Rider, Riders
@@ -95,28 +95,9 @@ def ledger_hash(
     detail: str,
     created_at: int,
 ) -> str:
-    """The chain link: SHA-256 over the previous hash and this row's content, as the canonical
-    JSON text of ``[prev_hash, tx_id, subject, action, from_state, to_state, detail,
-    created_at]``.
-
-    That text is written out here with the encoder's own C string quoting rather than by
-    :func:`~ledger.canonical.canonical_json`: it is the same text for a flat list of strings,
-    ``None`` and an integer (``tests/unit/test_ledger_link.py`` holds the two equal), at two
-    thirds of the cost, for the thirteen links of every saga (``docs/benchmarks.md``, item
-    58). Anything else goes through :func:`~ledger.canonical.canonical_json`."""
-    q = quote_json_string  # raises TypeError for anything but a string
-    try:
-        if type(created_at) is not int:  # a bool or a float is written otherwise
-            raise TypeError(created_at)
-        text = (
-            f"[{q(prev_hash)},{q(tx_id)},{'null' if subject is None else q(subject)},"
-            f"{q(action)},{'null' if from_state is None else q(from_state)},"
-            f"{'null' if to_state is None else q(to_state)},{q(detail)},{created_at}]"
-        )
-    except TypeError:
-        body = [prev_hash, tx_id, subject, action, from_state, to_state, detail, created_at]
-        text = canonical_json(body)
-    return sha256_hex(text)
+    """The chain link: SHA-256 over the previous hash and this row's content."""
+    body = [prev_hash, tx_id, subject, action, from_state, to_state, detail, created_at]
+    return sha256_hex(canonical_json(body))
 
 
 @dataclass

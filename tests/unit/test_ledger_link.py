@@ -1,6 +1,6 @@
 """ledger.store.ledger_hash: the link a ledger row carries is SHA-256 over the canonical JSON of
-its eight linked values, whichever way the text is built (chains written before the fast path
-must still verify, and so must chains written after it by an older reader)."""
+its eight linked values, as the standard library's encoder writes it. The format must not
+drift: every chain already written is verified by recomputing these links."""
 
 from __future__ import annotations
 
@@ -53,8 +53,8 @@ def test_the_link_is_sha256_of_the_canonical_row(
 
 
 def test_a_known_row_keeps_its_link() -> None:
-    # Pinned (computed by the code before the fast path): a change of the link's text would
-    # leave every chain already written failing verification.
+    # Pinned: a change of the link's text would leave every chain already written failing
+    # verification.
     link = ledger_hash(
         "0" * 64, "tx-1", None, "create", None, "running", '{"a":"é"}', 1733300000000
     )
@@ -73,6 +73,6 @@ def test_a_value_of_another_type_is_written_as_json_writes_it(subject: Any) -> N
     assert ledger_hash(*values) == _reference(*values)
 
 
-def test_a_value_json_cannot_write_is_refused_as_before() -> None:
+def test_a_value_json_cannot_write_is_refused() -> None:
     with pytest.raises(NotCanonicalizable):
         ledger_hash("0" * 64, "tx-1", None, "claim", None, None, "{}", float("nan"))  # type: ignore[arg-type]
