@@ -16,8 +16,9 @@ function is built), and it refuses a keyword that is not a field with ``TypeErro
 sets each field as ``object.__setattr__(self, 'name', value)`` — a global lookup, an attribute
 lookup and a by-name search of the class's MRO per field — because its own ``__setattr__``
 refuses. A saga builds about fifteen such records (its effects, claims, decisions: some 165
-fields in all), and that ``__init__`` was the largest single frame of its own in the bench's
-profile after the SQLite statements and the JSON encoder (``docs/benchmarks.md``, item 57).
+fields in all), and the dataclasses' generated ``__init__`` methods were 2.5 % of the bench's
+samples of their own, next after SQLite's statements and commits and the JSON encoder
+(``docs/benchmarks.md``, item 57).
 """
 
 from __future__ import annotations
@@ -89,26 +90,32 @@ def quick_init(cls: C) -> C:
     default factories — and sets each slot through its own descriptor.
 
     It accepts what :func:`replacer` accepts, and refuses keyword-only fields (the generated
-    signature has none). The instances it builds are the ones the dataclass's own
+    signature has none) and fields whose names the generated function uses itself (``self``
+    and names starting ``_qi_``). The instances it builds are the ones the dataclass's own
     ``__init__`` builds: equal, hashed alike, still frozen."""
     fields = _fields(cls)
     if any(f.kw_only is True for f in fields):
         raise TypeError(f"{cls.__name__} has keyword-only fields")
+    if any(f.name == "self" or f.name.startswith("_qi_") for f in fields):
+        raise TypeError(f"{cls.__name__} has a field named like the generated __init__'s own")
     names = tuple(f.name for f in fields)
-    scope: dict[str, Any] = {"HAS_FACTORY": _HAS_FACTORY, **_slot_setters(cls, names)}
+    # The parameters are the fields' names, so everything else the function refers to is
+    # named ``_qi_…``, which no parameter can shadow.
+    scope: dict[str, Any] = {"_qi_HAS_FACTORY": _HAS_FACTORY}
+    scope.update({f"_qi_{k}": v for k, v in _slot_setters(cls, names).items()})
     params, body = ["self"], []
     for f in fields:
         value = f.name
         if f.default is not dataclasses.MISSING:
-            scope[f"default_{f.name}"] = f.default
-            params.append(f"{f.name}=default_{f.name}")
+            scope[f"_qi_default_{f.name}"] = f.default
+            params.append(f"{f.name}=_qi_default_{f.name}")
         elif f.default_factory is not dataclasses.MISSING:
-            scope[f"factory_{f.name}"] = f.default_factory
-            params.append(f"{f.name}=HAS_FACTORY")
-            value = f"factory_{f.name}() if {f.name} is HAS_FACTORY else {f.name}"
+            scope[f"_qi_factory_{f.name}"] = f.default_factory
+            params.append(f"{f.name}=_qi_HAS_FACTORY")
+            value = f"_qi_factory_{f.name}() if {f.name} is _qi_HAS_FACTORY else {f.name}"
         else:
             params.append(f.name)
-        body.append(f"    set_{f.name}(self, {value})")
+        body.append(f"    _qi_set_{f.name}(self, {value})")
     exec(f"def __init__({', '.join(params)}):\n" + "\n".join(body or ["    pass"]), scope)
     init = scope["__init__"]
     init.__qualname__ = f"{cls.__qualname__}.__init__"

@@ -105,6 +105,28 @@ def test_quick_init_refuses_keyword_only_fields() -> None:
         quick_init(KeywordOnly)
 
 
+def test_quick_init_refuses_a_field_named_like_its_own_names() -> None:
+    @dataclass(frozen=True, slots=True)
+    class Clashing:
+        a: int
+        _qi_set_a: int
+
+    with pytest.raises(TypeError, match="named like"):
+        quick_init(Clashing)
+
+
+def test_fields_named_like_the_setters_of_replacer_are_set_right() -> None:
+    @quick_init
+    @dataclass(frozen=True, slots=True)
+    class Awkward:
+        set_a: int
+        a: int
+        default_a: int = 5
+
+    built = Awkward(1, 2)
+    assert (built.set_a, built.a, built.default_a) == (1, 2, 5)
+
+
 def _shaped() -> type:
     """A fresh class with a required field, a default, a default factory and a field whose
     default is a shared object (dataclasses keeps it shared, so must quick_init)."""
