@@ -28,27 +28,12 @@ _text = st.text()  # any code point, surrogates, quotes and control characters i
 _maybe = st.one_of(st.none(), _text)
 
 
-@given(
-    prev=_text,
-    tx=_text,
-    subject=_maybe,
-    action=_text,
-    from_state=_maybe,
-    to_state=_maybe,
-    detail=_text,
-    created_at=st.integers(min_value=-(2**70), max_value=2**70),
-)
-def test_the_link_is_sha256_of_the_canonical_row(
-    prev: str,
-    tx: str,
-    subject: str | None,
-    action: str,
-    from_state: str | None,
-    to_state: str | None,
-    detail: str,
-    created_at: int,
-) -> None:
-    values = (prev, tx, subject, action, from_state, to_state, detail, created_at)
+#: prev_hash, tx_id, subject, action, from_state, to_state, detail, created_at
+_rows = st.tuples(_text, _text, _maybe, _text, _maybe, _maybe, _text, st.integers(-(2**70), 2**70))
+
+
+@given(values=_rows)
+def test_the_link_is_sha256_of_the_canonical_row(values: tuple[Any, ...]) -> None:
     assert ledger_hash(*values) == _reference(*values)
 
 
