@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 from pathlib import Path
 
@@ -40,9 +41,18 @@ def test_processor_model_falls_back_to_the_platform(tmp_path: Path, content: str
     assert processor_model(cpuinfo) == (platform.processor() or None)
 
 
-def test_usable_cpus_counts_at_least_one() -> None:
-    cpus = usable_cpus()
-    assert cpus is not None and cpus >= 1
+def test_usable_cpus_are_the_affinity_where_there_is_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process pinned to some CPUs runs on those, not on all the machine has (a container's
+    limit, ``taskset``): the bench must report the CPUs the run could use."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {3, 5}, raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    assert usable_cpus() == 2
+
+
+def test_usable_cpus_without_an_affinity_are_all_of_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delattr(os, "sched_getaffinity", raising=False)  # macOS, Windows
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    assert usable_cpus() == 8
 
 
 def _environment(**changes: object) -> dict[str, object]:
