@@ -151,9 +151,10 @@ def bench(
     ] = False,
 ) -> None:
     """Run the order saga (reserve + charge, receipt via the outbox) and report its costs."""
-    from fault_injection.cli import checked_db, run_job
+    from fault_injection.cli import checked_db, prepared_output, run_job
 
     checked_db(db)
+    prepared_output(json_path, "--json")
     out = Console(highlight=False, soft_wrap=True)
     if provider not in PROVIDERS:
         raise _usage(out, f"--provider must be one of {', '.join(PROVIDERS)}")

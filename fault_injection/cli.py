@@ -14,6 +14,7 @@ violation, 2 on bad usage.
 from __future__ import annotations
 
 import json
+import os
 import random
 import tempfile
 import time
@@ -52,6 +53,25 @@ def checked_db(url: str | None, option: str = "--db", *, must_exist: bool = Fals
         path = cli._sqlite_path(normalize_url(url))
         if path is not None and not path.exists():
             _refuse(f"{option}: no database at {path}")
+
+
+def prepared_output(path: Path | None, option: str) -> None:
+    """Make sure a results file can be written at ``path`` before a run of minutes starts: its
+    folder is created (as :func:`~fault_injection.report.write_report` does), and a path that
+    is a folder, or a folder that cannot be made, is refused with one line and exit code 2
+    instead of a traceback after the run."""
+    if path is None:
+        return
+    if path.is_dir():
+        _refuse(f"{option}: {path} is a folder")
+    if path.parent.exists() and not path.parent.is_dir():
+        _refuse(f"{option}: {path.parent} is not a folder")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        _refuse(f"{option}: cannot create {path.parent}: {exc.strerror or exc}")
+    if not os.access(path.parent, os.W_OK):
+        _refuse(f"{option}: cannot write in {path.parent}")
 
 
 def _refuse(message: str) -> NoReturn:
@@ -95,6 +115,7 @@ def run(
 ) -> None:
     """Run a suite; print PASS/FAIL per scenario and a summary."""
     checked_db(db)
+    prepared_output(report, "--report")
     out = _console()
     if suite not in SUITES:
         out.print(f"[red]error:[/] --suite must be one of {', '.join(SUITES)}")

@@ -408,3 +408,29 @@ def test_fault_inject_check_needs_existing_sqlite_files(tmp_path: Path) -> None:
     assert_clean_failure(run)
     assert run.err.strip() == f"error: --db: no database at {ours}"
     assert not ours.exists() and not theirs.exists()
+
+
+@pytest.mark.parametrize(
+    ("command", "option"),
+    [(["bench", "--sagas", "1", "--warmup", "0"], "--json"), (["fault-inject", "run"], "--report")],
+)
+def test_an_output_path_that_cannot_be_written_is_refused_before_the_run(
+    command: list[str], option: str, tmp_path: Path
+) -> None:
+    """A results path is checked before a run of minutes starts: a folder given as the file,
+    or a file standing where its folder should be, is one error line (it was a traceback
+    after the whole run)."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    for target, why in ((tmp_path, "is a folder"), (blocker / "out.json", "is not a folder")):
+        run = cli(*command, option, str(target), cwd=tmp_path)
+        assert_clean_failure(run)
+        assert why in run.err and "check OK" not in run.out and "PASS" not in run.out
+
+
+def test_bench_json_creates_its_folder(tmp_path: Path) -> None:
+    """As ``fault-inject run --report`` does, the folder of ``--json`` is made if missing."""
+    target = tmp_path / "results" / "today" / "bench.json"
+    run = cli("bench", "--sagas", "2", "--warmup", "0", "--json", str(target), cwd=tmp_path)
+    assert run.code == 0, (run.out, run.err)
+    assert json.loads(target.read_text())["sagas"] == 2
