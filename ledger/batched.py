@@ -45,7 +45,11 @@ What keeps this invisible to the code that writes:
   :meth:`~ledger.store.Work.send_writes` sends them at once where a caller must catch one
   inside the block.
 
-SQLite runs each write at once (its statements cost microseconds; it has no round trips).
+SQLite holds blind writes back in the same way, but runs them one by one when they are sent
+(:meth:`ledger.hot.HotPath.send`): its statements cost microseconds and it has no round trips,
+so there is nothing to compose. What holding them buys there is that a transaction's writes
+exist as a list when its block ends, which a commit group's member hands to the SQLite writer
+process (:mod:`ledger.sqlite_writer`) instead of running them itself.
 """
 
 from __future__ import annotations
@@ -84,6 +88,12 @@ class PendingWrite:
     #: ledger's rows go as one: within one ``VALUES`` list PostgreSQL draws ``seq`` in list
     #: order, while separate CTEs have no defined order among themselves.
     rows: int = 1
+
+
+def rows_of(write: PendingWrite) -> list[tuple[Any, ...]]:
+    """A multi-row write's arguments, one tuple per row (``args`` holds them end to end)."""
+    width = len(write.args) // write.rows
+    return [write.args[i : i + width] for i in range(0, len(write.args), width)]
 
 
 def composable(compiled: Compiled) -> bool:

@@ -67,11 +67,27 @@ def normalize_url(url: str) -> str:
 PG_POOL_SIZE = 20
 
 
+#: How long a SQLite connection waits for another process's write lock.
+SQLITE_BUSY_TIMEOUT_MS = 10_000
+
+
+def sqlite_file(url: str) -> str | None:
+    """The file a SQLite URL names, if it is a plain file (no ``:memory:``, no query string:
+    the URLs whose statements run on the event loop, :mod:`ledger.sqlite_inline`)."""
+    parsed = make_url(normalize_url(url))
+    if dialect_of(url) != "sqlite":
+        return None
+    database = parsed.database or ""
+    if database and database != ":memory:" and not parsed.query:
+        return database
+    return None
+
+
 def create_engine(
     url: str,
     *,
     sqlite_synchronous: str = "FULL",
-    sqlite_busy_timeout_ms: int = 10_000,
+    sqlite_busy_timeout_ms: int = SQLITE_BUSY_TIMEOUT_MS,
     pg_pool_size: int = PG_POOL_SIZE,
     pg_lock_timeout_ms: int = 10_000,
 ) -> AsyncEngine:

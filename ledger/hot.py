@@ -188,11 +188,16 @@ class HotPath:
     def batchable(
         self, conn: AsyncConnection, stmt: Executable, keys: tuple[str, ...]
     ) -> Compiled | None:
-        """The compiled form of ``stmt`` if it can be held back and sent with the transaction's
-        other writes in one statement (:mod:`ledger.batched`): asyncpg connections only."""
+        """The compiled form of ``stmt`` if it can be held back until the transaction's writes
+        are sent (:mod:`ledger.batched`): on asyncpg, one it can compose into the combined
+        statement; on a :mod:`ledger.sqlite_inline` connection, any hot statement (they run
+        one by one when sent, so that a commit group's member hands over its writes as a
+        list: :mod:`ledger.sqlite_writer`)."""
         _fairy, driver, compiled = self._target(conn, stmt, keys)
-        if not isinstance(driver, asyncpg.Connection) or compiled is None:
+        if compiled is None:
             return None
+        if isinstance(driver, InlineConnection):
+            return compiled
         return compiled if batched.composable(compiled) else None
 
     async def send(
@@ -203,6 +208,9 @@ class HotPath:
         (one round trip, no ``BEGIN``/``COMMIT``); otherwise the transaction is begun first, so
         that a later failure still undoes these writes."""
         fairy, driver = _connections(conn)
+        if isinstance(driver, InlineConnection):
+            await self._run_inline(conn, driver, writes)
+            return
         sql, args = self._composer.statement(writes)
         self._count()
         try:
@@ -218,6 +226,31 @@ class HotPath:
             if lost is not None:
                 raise lost from None
             await _raise_as_sqlalchemy(conn, exc, sql, args)
+
+    async def _run_inline(
+        self,
+        conn: AsyncConnection,
+        driver: InlineConnection,
+        writes: Sequence[batched.PendingWrite],
+    ) -> None:
+        """SQLite: run held-back writes one by one, in the order written (nothing to compose:
+        a statement here is a function call). A fenced write that changed no row raises its
+        :class:`LeaseLost`; the transaction's block then fails before its commit, as on
+        PostgreSQL."""
+        cursor = driver.statements
+        for write in writes:
+            self._count()
+            sql = write.compiled.sql
+            try:
+                if write.rows == 1:
+                    changed = cursor.execute(sql, write.args).rowcount
+                else:
+                    cursor.executemany(sql, batched.rows_of(write))
+                    continue
+            except Exception as exc:
+                await _raise_as_sqlalchemy(conn, exc, sql, write.args)
+            if write.lost is not None and changed != 1:
+                raise write.lost
 
     async def execute(
         self, conn: AsyncConnection, stmt: Executable, params: Mapping[str, Any]

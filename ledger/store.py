@@ -17,14 +17,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import os
+import sqlite3
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Mapping, Sequence
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Hashable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar, cast
 
 import structlog
 from sqlalchemy import event, insert, literal, select
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from sqlalchemy.sql import Executable
 from sqlalchemy.sql.elements import ColumnElement
@@ -38,14 +49,21 @@ from ledger.hot import Compiled, HotPath
 from ledger.riders import Rider, Riders
 from ledger.schema import ledger as ledger_table
 from ledger.sqlite_inline import others_ready
+from ledger.sqlite_writer import Answer, WriterProcess, error_of
 
 log = structlog.get_logger(__name__)
 
 GENESIS_HASH = "0" * 64
-#: Where a PostgreSQL transaction's Work is found from its connection (``Connection.info``).
+#: Where a transaction's Work is found from its connection (``Connection.info``).
 _WORK_KEY = "agent_txn_work"
 
 S = TypeVar("S", bound=Executable)
+
+#: Where a SQLite store commits groups of its transactions: ``inline`` on the event loop, or
+#: ``process`` in a writer process of its own (:mod:`ledger.sqlite_writer`).
+SqliteWriter = Literal["inline", "process"]
+#: What :meth:`Store.open` uses when not told (the test suite runs once with each).
+DEFAULT_SQLITE_WRITER: SqliteWriter = "inline"
 
 #: Set while the current task is inside one of the store's write transactions: a read there must
 #: not wait for riders (landing them takes the write lock this task may hold).
@@ -65,10 +83,13 @@ class StoreStats:
     commits: int = 0
     statements: int = 0
     rollbacks: int = 0
+    #: CPU seconds of the SQLite writer process (:mod:`ledger.sqlite_writer`): the engine's
+    #: work, done outside this process.
+    writer_cpu_s: float = 0.0
 
     def snapshot(self) -> StoreStats:
         """A copy, to subtract later."""
-        return StoreStats(self.commits, self.statements, self.rollbacks)
+        return StoreStats(self.commits, self.statements, self.rollbacks, self.writer_cpu_s)
 
 
 @dataclass
@@ -111,11 +132,15 @@ class Work:
     #: column but ``seq``).
     _rows: list[dict[str, Any]] = field(default_factory=list)
     _heads: dict[str, tuple[Chain, str]] = field(default_factory=dict)
-    #: PostgreSQL: blind writes held back until they are sent together (ledger/batched.py).
+    #: Blind writes held back until they are sent together (ledger/batched.py).
     _pending: list[PendingWrite] = field(default_factory=list)
     _pending_rows: set[Hashable] = field(default_factory=set)
     #: Riders this transaction took on (:mod:`ledger.riders`), written by :meth:`flush`.
     _riders: list[Rider] | None = None
+    #: SQLite with the writer process: nothing has begun a physical transaction for this one
+    #: yet. Its blind writes may still be shipped to the writer with a commit group's; anything
+    #: else (a read, a ``RETURNING``, a row count) begins it here first (:meth:`Store._begin`).
+    _deferred: bool = False
 
     @property
     def db_now(self) -> ColumnElement[int]:
@@ -185,11 +210,13 @@ class Work:
 
     def _batchable(self, stmt: Executable, keys: tuple[str, ...]) -> Compiled | None:
         if not self.store.batches_writes:
-            return None  # SQLite: every write runs at once
+            return None  # every write runs at once
         return self.store.hot.batchable(self.conn, stmt, keys)
 
     async def send_writes(self, *, final: bool = False) -> None:
-        """Send the held-back writes now (PostgreSQL; nothing is held back on SQLite)."""
+        """Send the held-back writes now."""
+        if self._deferred:
+            await self.store._begin(self)
         if not self._pending:
             return
         writes, self._pending = self._pending, []
@@ -251,9 +278,11 @@ class Work:
             "hash": digest,
         }
 
-    async def flush(self) -> None:
+    async def flush(self, *, send: bool = True) -> None:
         """Write the buffered ledger rows (and, on PostgreSQL, the held-back writes with them)
-        in one statement, just before the commit. Riders waiting on the store board here."""
+        in one statement, just before the commit. Riders waiting on the store board here.
+        ``send=False``: only queue them with the held-back writes (the SQLite writer process
+        takes them from there)."""
         riders = self.store.riders
         if riders.queued:
             boarded = self._riders = riders.board()
@@ -269,12 +298,23 @@ class Work:
                 rows = []
         if rows:
             await self.execute_many(insert_row, rows)
-        await self.send_writes(final=True)
+        if send:
+            await self.send_writes(final=True)
 
     def _advance_chains(self) -> None:
         for chain, head in self._heads.values():
             chain.head = head
         self._heads.clear()
+
+
+@dataclass(eq=False)
+class Shipment:
+    """The writers of this process whose writes go to the SQLite writer process as one group
+    (:meth:`Store._shipped`): built while it is open, then shipped."""
+
+    done: asyncio.Future[Answer]
+    #: Each member transaction's writes, in the order they joined.
+    writes: list[list[PendingWrite]] = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -356,12 +396,31 @@ class _Translated:
             self._store.riders.failed(riders, exc)
 
 
+def _as_statement_error(sql: str, described: Any) -> Exception:
+    error = DBAPIError.instance(sql, None, error_of(described), sqlite3.Error, hide_parameters=True)
+    return cast(Exception, error)
+
+
 def _raise_translated(exc: BaseException) -> None:
     """Raise the :mod:`ledger.errors` exception ``exc`` stands for, if it stands for one."""
     if isinstance(exc, Exception):
         translated = _translation(exc)
         if translated is not None:
             raise translated from exc
+
+
+@contextlib.contextmanager
+def _seen_by_statements(conn: AsyncConnection, work: Work) -> Iterator[None]:
+    """While the block runs, a statement through SQLAlchemy on ``conn`` sends ``work``'s
+    held-back writes first (the ``before_execute`` hook of :meth:`Store._install_counters`)."""
+    sync = conn.sync_connection
+    assert sync is not None
+    info = sync.info
+    info[_WORK_KEY] = work
+    try:
+        yield
+    finally:
+        info.pop(_WORK_KEY, None)
 
 
 async def _quietly(step: Awaitable[Any]) -> None:
@@ -380,6 +439,7 @@ class Store:
         url: str,
         clock: Callable[[], float] = time.time,
         commit_cohorts: bool = True,
+        writer_process: WriterProcess | None = None,
     ) -> None:
         self.engine = engine
         self.url = url
@@ -411,8 +471,14 @@ class Store:
             # PostgreSQL: grouped commits leave in two cohorts (ledger/grouped.py), or in one.
             population=(lambda: self._open_writes) if commit_cohorts else None,
         )
-        #: PostgreSQL holds blind writes back and sends them together (ledger/batched.py).
-        self.batches_writes = self.dialect == "postgresql"
+        #: Blind writes are held back and sent together when the block ends (ledger/batched.py):
+        #: on PostgreSQL as one statement, on SQLite one by one.
+        self.batches_writes = True
+        #: SQLite: the process that commits groups of this store's transactions
+        #: (:mod:`ledger.sqlite_writer`; ``None``: they commit on the event loop).
+        self.writer_process = writer_process
+        #: The group being built for the writer process (:meth:`_shipped`).
+        self._building: Shipment | None = None
         self._install_counters()
 
     def _count_statement(self) -> None:
@@ -434,9 +500,12 @@ class Store:
         sqlite_synchronous: str = "FULL",
         pg_pool_size: int = dialects.PG_POOL_SIZE,
         commit_cohorts: bool = True,
+        sqlite_writer: SqliteWriter | None = None,
     ) -> Store:
         """Connect, check (or create) the schema, and return a ready store.
-        ``commit_cohorts``: see :attr:`orchestrator.config.EngineSettings.pg_commit_cohorts`."""
+        ``commit_cohorts``: see :attr:`orchestrator.config.EngineSettings.pg_commit_cohorts`;
+        ``sqlite_writer``: :attr:`orchestrator.config.EngineSettings.sqlite_writer` (``None``:
+        :data:`DEFAULT_SQLITE_WRITER`)."""
         from ledger import migrate  # local: migrations import the schema, not the store
 
         url = dialects.normalize_url(url)
@@ -451,7 +520,20 @@ class Store:
             if translated is not None and translated is not exc:
                 raise translated from exc
             raise
-        return cls(engine, url=url, clock=clock, commit_cohorts=commit_cohorts)
+        writer = None
+        path = dialects.sqlite_file(url)
+        # A plain file only (its statements run on the loop: ledger/sqlite_inline.py), and POSIX
+        # only (the loop watches the writer's pipes, which Windows' event loop cannot).
+        wanted = (sqlite_writer or DEFAULT_SQLITE_WRITER) == "process"
+        if wanted and path is not None and os.name == "posix":
+            writer = WriterProcess(
+                path,
+                synchronous=sqlite_synchronous,
+                busy_timeout_ms=dialects.SQLITE_BUSY_TIMEOUT_MS,
+            )
+        return cls(
+            engine, url=url, clock=clock, commit_cohorts=commit_cohorts, writer_process=writer
+        )
 
     def _install_counters(self) -> None:
         sync_engine = self.engine.sync_engine
@@ -472,7 +554,7 @@ class Store:
                 # Any other statement sees the held-back writes of its transaction, as if they
                 # had run at once (ledger/batched.py). This runs inside SQLAlchemy's greenlet.
                 work = conn.info.get(_WORK_KEY)
-                if work is not None and work._pending:
+                if work is not None and (work._pending or work._deferred):
                     await_only(work.send_writes())
 
             event.listen(sync_engine, "before_execute", before_execute)
@@ -523,7 +605,12 @@ class Store:
         It is durable when the block exits: nothing written in it may be acted on before.
         On SQLite it may share its physical commit with the transactions of other tasks of
         this process (:class:`CommitGroup`); on PostgreSQL it is its own."""
-        inner = self._grouped() if self._write_lock is not None else self._transaction()
+        if self._write_lock is None:
+            inner = self._transaction()
+        elif self.writer_process is not None:
+            inner = self._shipped()
+        else:
+            inner = self._grouped()
         return _Translated(self, inner)
 
     def riding_pays(self) -> bool:
@@ -543,6 +630,11 @@ class Store:
         if self.riders.queued:
             async with self.transaction():
                 pass  # the transaction boards the queued riders as it ends (Work.flush)
+
+    @property
+    def sqlite_writer(self) -> SqliteWriter:
+        """Where this store commits groups of transactions (``inline`` on PostgreSQL too)."""
+        return "process" if self.writer_process is not None else "inline"
 
     @property
     def open_writes(self) -> int:
@@ -569,13 +661,9 @@ class Store:
             # hops per transaction for what is, in the usual case, bookkeeping.
             outer = sync.begin()
             work = Work(conn=conn, store=self, now_ms=self.now_ms())
-            info = sync.info
-            info[_WORK_KEY] = work
-            try:
+            with _seen_by_statements(conn, work):
                 yield work
                 await work.flush()
-            finally:
-                info.pop(_WORK_KEY, None)
             if sync.connection.dbapi_connection._started:  # type: ignore[union-attr]
                 await conn.commit()
             else:
@@ -669,47 +757,219 @@ class Store:
                 group = CommitGroup(conn, asyncio.get_running_loop().create_future())
                 work = Work(conn=conn, store=self, now_ms=self.now_ms())
                 try:
-                    yield work
-                    await work.flush()
+                    with _seen_by_statements(conn, work):
+                        yield work
+                        await work.flush()
                 except BaseException:
                     # Alone in the group: the whole physical transaction is this writer's.
                     await _quietly(conn.rollback())
                     await _quietly(conn.close())
                     raise
-                if not self._queued_writers and not others_ready():
+                if not self._open_group(group):
                     # Nobody is waiting for the lock and nothing else can run before the
                     # commit, so nobody could join a group within a loop turn: commit now, with
                     # no committer task, no future and no second turn of the lock.
                     await self._commit_physical(conn)
                     work._advance_chains()
                     return
-                self._group = group
-                group.members = 1
-                group.committer = asyncio.ensure_future(self._commit_group(group))
             else:
-                work = Work(conn=group.conn, store=self, now_ms=self.now_ms())
-                # One name serves every member: each releases its savepoint before the next
-                # member gets the lock. Written by the store itself rather than through
-                # ``begin_nested()``, which compiles both statements again on every call.
-                await self.hot.driver_sql(group.conn, "SAVEPOINT agent_txn_member")
-                try:
+                async with self._member_of(group) as work:
                     yield work
-                    await work.flush()
-                    await self.hot.driver_sql(group.conn, "RELEASE SAVEPOINT agent_txn_member")
-                except BaseException:
-                    try:
-                        await self.hot.driver_sql(
-                            group.conn, "ROLLBACK TO SAVEPOINT agent_txn_member"
-                        )
-                        await self.hot.driver_sql(group.conn, "RELEASE SAVEPOINT agent_txn_member")
-                    except BaseException:
-                        group.poisoned = True  # the outer transaction is gone with it
-                    raise
-                group.members += 1
         finally:
             self._write_lock.release()
         await asyncio.shield(group.done)
         work._advance_chains()
+
+    @asynccontextmanager
+    async def _member_of(self, group: CommitGroup) -> AsyncIterator[Work]:
+        """A writer joining ``group`` (lock held): its own savepoint in the group's physical
+        transaction, so that its failure undoes only its own rows."""
+        work = Work(conn=group.conn, store=self, now_ms=self.now_ms())
+        # One name serves every member: each releases its savepoint before the next member
+        # gets the lock. Written by the store itself rather than through ``begin_nested()``,
+        # which compiles both statements again on every call.
+        await self.hot.driver_sql(group.conn, "SAVEPOINT agent_txn_member")
+        try:
+            with _seen_by_statements(group.conn, work):
+                yield work
+                await work.flush()
+            await self.hot.driver_sql(group.conn, "RELEASE SAVEPOINT agent_txn_member")
+        except BaseException:
+            try:
+                await self.hot.driver_sql(group.conn, "ROLLBACK TO SAVEPOINT agent_txn_member")
+                await self.hot.driver_sql(group.conn, "RELEASE SAVEPOINT agent_txn_member")
+            except BaseException:
+                group.poisoned = True  # the outer transaction is gone with it
+            raise
+        group.members += 1
+
+    @asynccontextmanager
+    async def _shipped(self) -> AsyncIterator[Work]:
+        """Group commit on SQLite through the writer process (:mod:`ledger.sqlite_writer`).
+
+        As in :meth:`_grouped`, writers of this process queue on the store's lock, and a
+        writer's block exits only once its transaction is durable. What differs is where a
+        group's writes run. A writer's blind writes are held back (:mod:`ledger.batched`) and,
+        when its block ends, handed to the group being built instead of run here; the group
+        is shipped to the writer process, which runs each member inside a savepoint of its own
+        and commits the group, while this loop goes on with other sagas. Each member then
+        learns its own outcome: its writes committed, its lease lost, or its own error.
+
+        A group is shipped one loop turn after its first member joined (every task ready now
+        may still join), or at once when it holds half of the store's open write transactions:
+        two cohorts, so that the writer commits one while the loop runs the other.
+
+        Two kinds of writer run here, as in :meth:`_grouped`, on this process's connection:
+
+        * one alone (no group being built or in flight, nobody waiting for the lock, nothing
+          else ready to run): a round trip to the writer process would only add to its wait
+          (``docs/benchmarks.md``);
+        * one that needs more than blind writes (a read, a ``RETURNING``, a row count): it
+          begins its physical transaction here (:meth:`_begin`) once the groups before it are
+          committed, so that it sees them.
+
+        Such a writer opens an in-process commit group when its block ends, exactly as
+        :meth:`_grouped`'s first writer does, and the writers that get the lock while that
+        group is open join it (:meth:`_member_of`), so transactions that cannot be shipped
+        still share commits. Shipping resumes once it has committed."""
+        assert self._write_lock is not None and self.writer_process is not None
+        self._queued_writers += 1
+        try:
+            await self._write_lock.acquire()
+        finally:
+            self._queued_writers -= 1
+        shipment: Shipment | None = None
+        index = 0
+        try:
+            group = self._group
+            if group is not None:
+                async with self._member_of(group) as work:
+                    yield work
+            else:
+                conn, self._writer = self._writer, None
+                if conn is None or conn.closed or conn.invalidated:
+                    conn = await self.engine.connect()
+                work = Work(conn=conn, store=self, now_ms=self.now_ms(), _deferred=True)
+                try:
+                    with _seen_by_statements(conn, work):
+                        yield work
+                        await work.flush(send=False)
+                    if work._deferred and not work._pending:
+                        self._writer = conn  # nothing to write, nothing begun
+                        return
+                    if work._deferred and (
+                        self._building is not None
+                        or self.writer_process.in_flight
+                        or self._queued_writers
+                        or others_ready()
+                    ):
+                        self._writer = conn
+                        shipment, index = self._join_shipment(work)
+                    else:
+                        await work.send_writes(final=True)  # begins it here if still deferred
+                except BaseException:
+                    if work._deferred:
+                        self._writer = conn  # nothing was begun on it
+                    else:  # its own physical transaction: undone with it
+                        await _quietly(conn.rollback())
+                        await _quietly(conn.close())
+                    raise
+                if shipment is None:
+                    group = CommitGroup(conn, asyncio.get_running_loop().create_future())
+                    if not self._open_group(group):
+                        await self._commit_physical(conn)
+                        work._advance_chains()
+                        return
+        finally:
+            self._write_lock.release()
+        if shipment is not None:
+            answer = await asyncio.shield(shipment.done)
+            self._settle_member(answer, shipment.writes[index], index)
+        else:
+            assert group is not None
+            await asyncio.shield(group.done)
+        work._advance_chains()
+
+    def _join_shipment(self, work: Work) -> tuple[Shipment, int]:
+        """Hand ``work``'s held-back writes to the group being built (lock held); the group
+        and ``work``'s place in it."""
+        shipment = self._building
+        if shipment is None:
+            shipment = self._building = self._new_shipment()
+        index = len(shipment.writes)
+        shipment.writes.append(work._pending)
+        if 2 * len(shipment.writes) >= self._open_writes:
+            self._ship()  # half of the open transactions: they leave as one cohort
+        return shipment, index
+
+    def _settle_member(self, answer: Answer, writes: Sequence[PendingWrite], index: int) -> None:
+        """Raise what the writer process says of ``work`` (nothing if its writes were
+        committed): the error that kept the group from committing, or the member's own lost
+        lease or error. Errors are raised as SQLAlchemy raises a statement's, so they are
+        translated as in-process ones are (:func:`_raise_translated`). A refused member counts
+        as a rollback, as its own transaction would have."""
+        if answer.failure is not None:
+            self.stats.rollbacks += 1
+            raise _as_statement_error("COMMIT", answer.failure)
+        outcome = answer.outcomes[index]
+        if outcome is None:
+            return
+        self.stats.rollbacks += 1
+        if outcome[0] == "lost":
+            lost = writes[outcome[1]].lost
+            assert lost is not None
+            raise lost
+        raise _as_statement_error(writes[outcome[1]].compiled.sql, outcome[2])
+
+    def _new_shipment(self) -> Shipment:
+        loop = asyncio.get_running_loop()
+        shipment = Shipment(loop.create_future())
+        shipment.done.add_done_callback(self._count_shipment)
+        # One loop turn: every task that is ready now may still join with its transition.
+        loop.call_soon(self._ship, shipment)
+        return shipment
+
+    def _ship(self, shipment: Shipment | None = None) -> None:
+        """Hand the group being built to the writer process (``shipment``: only if it is
+        still the one being built)."""
+        building = self._building
+        if building is None or (shipment is not None and shipment is not building):
+            return
+        self._building = None
+        assert self.writer_process is not None
+        self.writer_process.submit(building.writes, building.done)
+
+    def _count_shipment(self, done: asyncio.Future[Answer]) -> None:
+        if done.cancelled() or done.exception() is not None:
+            return
+        answer = done.result()
+        assert self.writer_process is not None
+        self.stats.writer_cpu_s = self.writer_process.cpu_s
+        self.stats.statements += answer.statements
+        if answer.failure is None:
+            self.stats.commits += 1
+
+    async def _begin(self, work: Work) -> None:
+        """Begin ``work``'s physical transaction here, on the writer connection it holds (see
+        :meth:`_shipped`): after the group being built and every group in flight have been
+        committed by the writer process, so that it sees their writes and the SQLite lock is
+        free."""
+        assert self.writer_process is not None
+        self._ship()
+        await self.writer_process.drained()
+        await self._begin_writer(work.conn)
+        work._deferred = False
+
+    def _open_group(self, group: CommitGroup) -> bool:
+        """Its first writer's block has ended: open ``group`` to the writers that get the lock
+        within this loop turn, and schedule its commit (``False``: nobody could join, as nobody
+        waits for the lock and nothing else is ready to run; the caller commits now)."""
+        if not self._queued_writers and not others_ready():
+            return False
+        self._group = group
+        group.members = 1
+        group.committer = asyncio.ensure_future(self._commit_group(group))
+        return True
 
     async def _begin_writer(self, conn: AsyncConnection) -> None:
         """``BEGIN IMMEDIATE`` on the writer connection.
@@ -811,6 +1071,9 @@ class Store:
             # Their effects stay leased to this worker; recovery settles them by lookup.
             log.warning("riders not landed at close", error=type(exc).__name__)
         await self._settle_group(abandon=False)
+        if self.writer_process is not None:
+            self._ship()
+            await self.writer_process.close()
         await self._close_writer()
         await self._close_idle()
         await self.engine.dispose()
@@ -822,6 +1085,12 @@ class Store:
         Riders are dropped, as a crash drops them."""
         self.riders.drop()
         await self._settle_group(abandon=True)
+        if self.writer_process is not None:
+            building, self._building = self._building, None
+            if building is not None and not building.done.done():
+                building.done.set_exception(StoreUnavailable("the commit group was abandoned"))
+                building.done.exception()  # retrieved: every member re-raises it on its own
+            self.writer_process.kill()
         await self._close_writer()
         await self._close_idle()
         await self.engine.dispose()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 import uuid
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -55,6 +56,12 @@ class EngineSettings(BaseModel):
     #: item 39). A worker process (``agent-txn worker``) turns it off unless set: it claims
     #: sagas in batches when half its slots are free, and half-size cohorts halve its batches.
     pg_commit_cohorts: bool = True
+    #: SQLite (a plain file): where groups of concurrent transactions commit. ``process``: in
+    #: a writer process of the store's own, on another core, while this process goes on with
+    #: its other sagas (``ledger/sqlite_writer.py``); a transaction alone, and one that needs
+    #: more than blind writes, still commits here. ``inline``: on the event loop. ``None``:
+    #: the store's default (:data:`ledger.store.DEFAULT_SQLITE_WRITER`).
+    sqlite_writer: Literal["inline", "process"] | None = None
 
     @property
     def lease_ms(self) -> int:

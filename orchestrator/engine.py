@@ -166,6 +166,7 @@ class Orchestrator:
                 sqlite_synchronous=settings.sqlite_synchronous,
                 pg_pool_size=settings.pg_pool_size,
                 commit_cohorts=settings.pg_commit_cohorts,
+                sqlite_writer=settings.sqlite_writer,
             )
         except SchemaOutdated as exc:
             raise SchemaOutdatedError(str(exc)) from exc

@@ -53,7 +53,19 @@ EMPTY_DATABASE_MODULES = frozenset(
 MAX_PENDING_DROPS = 20
 
 
+#: Where SQLite stores commit their groups in this run (``ledger.store.DEFAULT_SQLITE_WRITER``):
+#: ``inline`` (the default) or ``process``. ``.ci/run`` runs the SQLite tests once with each.
+SQLITE_WRITER = os.environ.get("AGENT_TXN_TEST_SQLITE_WRITER", "inline")
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    if SQLITE_WRITER not in ("inline", "process"):
+        raise pytest.UsageError(
+            f"AGENT_TXN_TEST_SQLITE_WRITER must be inline or process, not {SQLITE_WRITER!r}"
+        )
+    import ledger.store
+
+    ledger.store.DEFAULT_SQLITE_WRITER = SQLITE_WRITER  # type: ignore[assignment]
     config.addinivalue_line(
         "markers",
         "empty_databases: db_urls gives empty PostgreSQL databases, not migrated template copies",

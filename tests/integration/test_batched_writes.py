@@ -1,13 +1,14 @@
 """Held-back writes (ledger/batched.py, Work.write): one statement per transaction on PostgreSQL.
 
-On SQLite every write runs at once; on PostgreSQL blind writes are held back and sent with the
-ledger rows as one statement of data-modifying CTEs. The observable behaviour must be the same
-on both — checked here on both backends — and only the cost differs. What could break: a lease
-lost in the combined statement committing the transaction's other writes; a read inside the
-transaction not seeing an earlier write; two writes to one row in one statement (one snapshot)
-losing the second; ledger rows of one statement landing out of ``seq`` order (the chain would
-not verify); a duplicate transaction reported as anything but :class:`DuplicateKey`; and — a
-cost — a transaction of blind writes taking more than one statement and one round trip.
+On SQLite blind writes are held back and run one by one when sent; on PostgreSQL they are held
+back and sent with the ledger rows as one statement of data-modifying CTEs. The observable
+behaviour must be the same on both — checked here on both backends — and only the cost
+differs. What could break: a lease lost in the combined statement committing the
+transaction's other writes; a read inside the transaction not seeing an earlier write; two
+writes to one row in one statement (one snapshot) losing the second; ledger rows of one
+statement landing out of ``seq`` order (the chain would not verify); a duplicate transaction
+reported as anything but :class:`DuplicateKey`; and — a cost — a transaction of blind writes
+taking more than one statement and one round trip.
 """
 
 from __future__ import annotations

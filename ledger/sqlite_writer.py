@@ -1,0 +1,272 @@
+"""The event loop's side of the SQLite writer process (:mod:`ledger.sqlite_writer_child`).
+
+:class:`WriterProcess` starts the child, hands it commit groups and resolves one future per
+group with the child's answer. Submitting is synchronous (the message is written to the pipe,
+or queued behind what the pipe has not taken yet), so groups reach the child, and are
+committed, in the order they were submitted; answers come back in that order.
+
+What the parent learns, and what it concludes (:class:`Answer`):
+
+* an answer: the group committed (each member's own outcome in it), or nothing of it did
+  (``failure``);
+* no answer, because the child died or its pipe broke: the group's outcome is unknown. Its
+  future fails with :class:`~ledger.errors.StoreUnavailable`, as a PostgreSQL transaction's
+  does when its connection drops during the commit; what was committed is durable, and
+  recovery reads it back. The next group starts a fresh child.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import os
+import pickle
+import sqlite3
+import struct
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ledger import sqlite_writer_child
+from ledger.batched import PendingWrite
+from ledger.errors import StoreUnavailable
+
+_LENGTH = struct.Struct(">I")
+#: How long :meth:`WriterProcess.close` waits for the child to end after its input closed.
+CLOSE_WAIT_S = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """The child's answer for one group (see :mod:`ledger.sqlite_writer_child`)."""
+
+    outcomes: list[Any]
+    failure: sqlite_writer_child.Error | None
+    statements: int
+    #: The child's CPU time so far.
+    cpu_s: float
+
+
+def error_of(described: sqlite_writer_child.Error) -> sqlite3.Error:
+    """The :mod:`sqlite3` exception the child described, as the statement raised it there."""
+    name, message, code, code_name = described
+    kind = getattr(sqlite3, name, None)
+    if not (isinstance(kind, type) and issubclass(kind, sqlite3.Error)):
+        kind = sqlite3.DatabaseError
+    error = kind(message)
+    error.sqlite_errorcode = code
+    error.sqlite_errorname = code_name
+    return error
+
+
+class WriterProcess:
+    """One child per store; see the module doc."""
+
+    def __init__(self, path: str, *, synchronous: str, busy_timeout_ms: int) -> None:
+        self._argv = [
+            sys.executable,
+            "-I",
+            "-S",
+            sqlite_writer_child.__file__,
+            path,
+            synchronous,
+            str(int(busy_timeout_ms)),
+        ]
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._waiting: collections.deque[asyncio.Future[Answer]] = collections.deque()
+        self._inbox = bytearray()
+        self._outbox = bytearray()
+        #: SQL text -> its number in the running child (a fresh child starts from none).
+        self._numbers: dict[str, int] = {}
+        #: Children started so far (a restart after a death adds one).
+        self.started = 0
+        #: CPU time of the children that ended, and of the running one as of its last answer.
+        self._ended_cpu_s = 0.0
+        self._child_cpu_s = 0.0
+
+    @property
+    def cpu_s(self) -> float:
+        """The writer processes' CPU time so far, as their answers reported it (a child's time
+        after its last answer is not seen)."""
+        return self._ended_cpu_s + self._child_cpu_s
+
+    @property
+    def in_flight(self) -> int:
+        """Groups submitted whose answer has not come."""
+        return len(self._waiting)
+
+    def submit(
+        self,
+        members: Sequence[Sequence[PendingWrite]],
+        future: asyncio.Future[Answer] | None = None,
+    ) -> asyncio.Future[Answer]:
+        """Hand a group (one list of writes per member) to the child. ``future`` (a new one if
+        not given) resolves with its :class:`Answer`, or fails with :class:`StoreUnavailable`
+        if none comes."""
+        loop = asyncio.get_running_loop()
+        if future is None:
+            future = loop.create_future()
+        try:
+            self._ensure_running(loop)
+        except OSError as exc:
+            future.set_exception(StoreUnavailable(f"the SQLite writer did not start: {exc}"))
+            return future
+        numbers = self._numbers
+        new_sql: list[str] = []
+        message = []
+        for writes in members:
+            shipped = []
+            for write in writes:
+                sql = write.compiled.sql
+                number = numbers.get(sql)
+                if number is None:
+                    number = numbers[sql] = len(numbers)
+                    new_sql.append(sql)
+                shipped.append((number, write.args, write.lost is not None, write.rows))
+            message.append(shipped)
+        body = pickle.dumps((new_sql, message), protocol=pickle.HIGHEST_PROTOCOL)
+        self._waiting.append(future)
+        self._send(_LENGTH.pack(len(body)) + body)
+        return future
+
+    def _ensure_running(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._proc is not None:
+            return
+        proc = subprocess.Popen(
+            self._argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True
+        )
+        assert proc.stdin is not None and proc.stdout is not None
+        os.set_blocking(proc.stdin.fileno(), False)
+        os.set_blocking(proc.stdout.fileno(), False)
+        self._proc, self._loop = proc, loop
+        self._numbers = {}
+        self._ended_cpu_s += self._child_cpu_s
+        self._child_cpu_s = 0.0
+        self._inbox.clear()
+        self._outbox.clear()
+        self.started += 1
+        loop.add_reader(proc.stdout.fileno(), self._on_readable)
+
+    def _send(self, data: bytes) -> None:
+        proc = self._proc
+        assert proc is not None and proc.stdin is not None and self._loop is not None
+        if self._outbox:
+            self._outbox += data  # behind what the pipe has not taken yet, in order
+            return
+        try:
+            sent = os.write(proc.stdin.fileno(), data)
+        except BlockingIOError:
+            sent = 0
+        except OSError:
+            self._died("the SQLite writer's pipe broke")
+            return
+        if sent < len(data):
+            self._outbox += data[sent:]
+            self._loop.add_writer(proc.stdin.fileno(), self._on_writable)
+
+    def _on_writable(self) -> None:
+        proc = self._proc
+        if proc is None or proc.stdin is None:
+            return
+        try:
+            sent = os.write(proc.stdin.fileno(), self._outbox)
+        except BlockingIOError:
+            return
+        except OSError:
+            self._died("the SQLite writer's pipe broke")
+            return
+        del self._outbox[:sent]
+        if not self._outbox and self._loop is not None:
+            self._loop.remove_writer(proc.stdin.fileno())
+
+    def _on_readable(self) -> None:
+        proc = self._proc
+        if proc is None or proc.stdout is None:
+            return
+        try:
+            chunk = os.read(proc.stdout.fileno(), 1 << 16)
+        except BlockingIOError:
+            return
+        except OSError:
+            chunk = b""
+        if not chunk:
+            self._died("the SQLite writer ended")
+            return
+        inbox = self._inbox
+        inbox += chunk
+        while len(inbox) >= _LENGTH.size:
+            (size,) = _LENGTH.unpack_from(inbox)
+            if len(inbox) < _LENGTH.size + size:
+                break
+            try:
+                answer = Answer(*pickle.loads(bytes(inbox[_LENGTH.size : _LENGTH.size + size])))
+            except Exception:
+                # Not an answer this side can read (a child of another version of the engine,
+                # say): no group in flight can be told its outcome, so none is.
+                self._died("the SQLite writer's answer could not be read")
+                return
+            del inbox[: _LENGTH.size + size]
+            self._child_cpu_s = answer.cpu_s
+            future = self._waiting.popleft()
+            if not future.done():
+                future.set_result(answer)
+
+    def _died(self, why: str) -> None:
+        """No answer will come for the groups in flight: their outcome is unknown. The child,
+        if it still runs, is ended (a writer whose pipe broke cannot be trusted with more)."""
+        proc = self._detach()
+        if proc is not None:
+            with contextlib.suppress(OSError):
+                proc.kill()
+            proc.wait()
+            for pipe in (proc.stdin, proc.stdout):
+                if pipe is not None:
+                    with contextlib.suppress(OSError):
+                        pipe.close()
+        waiting, self._waiting = self._waiting, collections.deque()
+        for future in waiting:
+            if not future.done():
+                future.set_exception(StoreUnavailable(f"{why}: the commit's outcome is unknown"))
+                future.exception()  # retrieved: each member re-raises it on its own
+
+    def _detach(self) -> subprocess.Popen[bytes] | None:
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return None
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            assert proc.stdout is not None and proc.stdin is not None
+            loop.remove_reader(proc.stdout.fileno())
+            loop.remove_writer(proc.stdin.fileno())
+        self._outbox.clear()
+        return proc
+
+    async def drained(self) -> None:
+        """Wait until every group submitted so far has its answer (or is known lost)."""
+        while self._waiting:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self._waiting[-1])
+
+    async def close(self) -> None:
+        """Let the child finish what it was given, then end it (its input closes)."""
+        await self.drained()
+        proc = self._detach()
+        if proc is None:
+            return
+        assert proc.stdin is not None and proc.stdout is not None
+        with contextlib.suppress(OSError):
+            proc.stdin.close()
+        loop = asyncio.get_running_loop()
+        try:
+            await asyncio.wait_for(loop.run_in_executor(None, proc.wait), CLOSE_WAIT_S)
+        except (TimeoutError, OSError):
+            proc.kill()
+        proc.stdout.close()
+
+    def kill(self) -> None:
+        """End the child at once, as a crash would (the groups in flight: outcome unknown)."""
+        self._died("the SQLite writer was stopped")

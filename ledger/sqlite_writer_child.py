@@ -1,0 +1,186 @@
+"""The SQLite writer process: runs commit groups' writes, one physical transaction per group.
+
+It is started by :class:`ledger.sqlite_writer.WriterProcess` as a script of its own
+(``python -I -S this_file PATH SYNCHRONOUS BUSY_TIMEOUT_MS``), not as a module of the package:
+it needs nothing but the standard library, and importing ``ledger`` would cost it the whole
+engine's start-up (SQLAlchemy included) for nothing.
+
+Why a process: a commit group's SQLite work (its statements' C, the WAL's frame writes and
+their system calls) ran on the event loop's thread and took about a fifth of a saga's time at
+sixteen sagas in flight (``docs/benchmarks.md``). A thread cannot take it: the GIL is needed
+between every two statements, and a busy event loop hands it over only every switch interval.
+Here it runs on the other core while the loop builds the next group.
+
+The protocol, over the process's standard input and output, each message a 4-byte big-endian
+length and a pickle:
+
+* in: ``(new_sql, members)``. ``new_sql`` are SQL texts this process has not seen yet; they
+  take the next numbers, in order. ``members`` is one list of writes per member transaction,
+  each write ``(sql_number, args, fenced, rows)``: ``args`` one row's arguments (``rows`` == 1)
+  or ``rows`` rows' end to end; ``fenced``: the write must change exactly one row.
+* out: ``(outcomes, failure, statements, cpu_s)``. One outcome per member: ``None`` (its writes
+  stand), ``("lost", i)`` (its fenced write ``i`` changed no row) or ``("error", i, error)``
+  (its write ``i`` failed). Either way a failed member's writes are undone (each member runs
+  inside a savepoint of its own) and the others' are not. ``failure``: ``None`` when the group
+  committed, else the error that kept it from committing (``BEGIN`` or ``COMMIT`` failed):
+  nothing of the group was written. ``statements``: how many were run, ``BEGIN`` and
+  ``COMMIT`` not counted (the store's counters count the same way in-process). ``cpu_s``:
+  this process's CPU time so far (the bench adds it to the engine's: the work moved here is
+  still the engine's).
+* An error is ``(class name, message, SQLite error code, SQLite error name)``, so the parent
+  can raise the :mod:`sqlite3` exception the statement raised in-process.
+
+End of input (the parent closed the pipe, or died) ends the process. The process commits
+each group before it reads the next, so a group is committed if and only if its answer says
+so; a group whose answer never came (this process died) may or may not be.
+
+The WAL's checkpoints run here too: this connection keeps SQLite's auto-checkpoint, so a
+commit that fills the log checkpoints it, off the event loop.
+"""
+
+from __future__ import annotations
+
+import pickle
+import sqlite3
+import struct
+import sys
+import time
+from typing import Any, BinaryIO
+
+_LENGTH = struct.Struct(">I")
+
+Error = tuple[str, str, int, str]
+
+
+class _Lost(Exception):
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
+class _Failed(Exception):
+    def __init__(self, index: int, error: sqlite3.Error) -> None:
+        self.index = index
+        self.error = error
+
+
+def describe(error: sqlite3.Error) -> Error:
+    """What the parent needs to raise ``error`` again."""
+    return (
+        type(error).__name__,
+        str(error),
+        int(getattr(error, "sqlite_errorcode", 0) or 0),
+        str(getattr(error, "sqlite_errorname", "") or ""),
+    )
+
+
+def connect(path: str, synchronous: str, busy_timeout_ms: int) -> sqlite3.Connection:
+    """The writer's connection, with the pragmas the engine's own connections get
+    (``ledger.dialects``), except that SQLite's auto-checkpoint stays on (see the module doc)."""
+    conn = sqlite3.connect(
+        path, timeout=busy_timeout_ms / 1000, isolation_level=None, check_same_thread=False
+    )
+    conn.execute(f"PRAGMA busy_timeout={int(busy_timeout_ms)}")
+    conn.execute(f"PRAGMA synchronous={synchronous.upper()}")
+    conn.execute("PRAGMA foreign_keys=ON")
+    conn.execute("PRAGMA temp_store=MEMORY")
+    return conn
+
+
+class Writer:
+    """Runs groups on one connection (see the module doc for the message shapes)."""
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self.conn = conn
+        self.cursor = conn.cursor()
+        self.sql: list[str] = []
+
+    def run(self, new_sql: list[str], members: list[list[Any]]) -> tuple[Any, ...]:
+        self.sql.extend(new_sql)
+        cursor = self.cursor
+        try:
+            cursor.execute("BEGIN IMMEDIATE")
+        except sqlite3.Error as exc:
+            return [None] * len(members), describe(exc), 0
+        outcomes: list[Any] = []
+        statements = 0
+        for writes in members:
+            cursor.execute("SAVEPOINT agent_txn_member")
+            statements += 2  # the SAVEPOINT and its RELEASE
+            try:
+                statements += self._member(writes)
+            except (_Lost, _Failed) as exc:
+                statements += exc.index + 1  # the writes it ran, the failing one included
+                cursor.execute("ROLLBACK TO SAVEPOINT agent_txn_member")
+                statements += 1
+                outcomes.append(
+                    ("lost", exc.index)
+                    if isinstance(exc, _Lost)
+                    else ("error", exc.index, describe(exc.error))
+                )
+            else:
+                outcomes.append(None)
+            cursor.execute("RELEASE SAVEPOINT agent_txn_member")
+        try:
+            cursor.execute("COMMIT")
+        except sqlite3.Error as exc:
+            if self.conn.in_transaction:
+                self.conn.rollback()
+            return outcomes, describe(exc), statements
+        return outcomes, None, statements
+
+    def _member(self, writes: list[Any]) -> int:
+        cursor = self.cursor
+        sql = self.sql
+        for index, (number, args, fenced, rows) in enumerate(writes):
+            try:
+                if rows == 1:
+                    changed = cursor.execute(sql[number], args).rowcount
+                else:
+                    width = len(args) // rows
+                    cursor.executemany(
+                        sql[number], [args[i : i + width] for i in range(0, len(args), width)]
+                    )
+                    continue
+            except sqlite3.Error as exc:
+                raise _Failed(index, exc) from None
+            if fenced and changed != 1:
+                raise _Lost(index)
+        return len(writes)
+
+
+def _read(stream: BinaryIO, size: int) -> bytes | None:
+    data = stream.read(size)
+    if len(data) < size:
+        return None  # the parent closed the pipe (or died): nothing more will come
+    return data
+
+
+def serve(source: BinaryIO, sink: BinaryIO, writer: Writer) -> None:
+    """Answer groups until ``source`` ends."""
+    while True:
+        head = _read(source, _LENGTH.size)
+        if head is None:
+            return
+        body = _read(source, _LENGTH.unpack(head)[0])
+        if body is None:
+            return
+        new_sql, members = pickle.loads(body)
+        answer = pickle.dumps(
+            (*writer.run(new_sql, members), time.process_time()), protocol=pickle.HIGHEST_PROTOCOL
+        )
+        sink.write(_LENGTH.pack(len(answer)) + answer)
+        sink.flush()
+
+
+def main(argv: list[str]) -> int:
+    path, synchronous, busy_timeout_ms = argv[1], argv[2], int(argv[3])
+    conn = connect(path, synchronous, busy_timeout_ms)
+    try:
+        serve(sys.stdin.buffer, sys.stdout.buffer, Writer(conn))
+    finally:
+        conn.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -1,0 +1,237 @@
+"""The SQLite writer process (ledger/sqlite_writer.py, Store._shipped).
+
+SQLite only: the writer process is how a SQLite store commits groups of concurrent
+transactions when ``sqlite_writer="process"`` (PostgreSQL batches its own, ledger/grouped.py).
+The whole suite also runs with the writer process as the SQLite default
+(``AGENT_TXN_TEST_SQLITE_WRITER=process``, as ``.ci/run`` does); these tests pin what only
+this mode can get wrong, checked in the database file itself where it matters:
+
+* a group's members sharing one commit in the writer, each with its own outcome: a member
+  whose write fails (a duplicate key, a lost lease) is refused with its own error and none
+  of its writes land, while the others' do;
+* a transaction that reads (or needs a row count) begins here, after the groups before it:
+  it sees their writes;
+* a writer that dies with a group in flight: that group's members are told the outcome is
+  unknown (never "failed", never "committed"), and the next group starts a fresh writer;
+* a lone transaction commits in-process (no writer is even started), and ``close`` waits for
+  the group in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sqlite3
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy.exc import DBAPIError
+
+from ledger import definitions, dialects, events, transactions
+from ledger.errors import DuplicateKey, LeaseLost, StoreUnavailable
+from ledger.sqlite_writer import WriterProcess, error_of
+from ledger.sqlite_writer_child import Writer, connect, describe
+from ledger.states import TxState
+from ledger.store import Chain, Store
+from tests.support.bare_store import DIGEST, SAGA, bare_store, insert_tx
+
+
+@pytest.fixture
+def db_path(tmp_path: Path) -> Path:
+    return tmp_path / "agent.db"
+
+
+@pytest.fixture
+async def store(db_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Store]:
+    monkeypatch.setattr("ledger.store.DEFAULT_SQLITE_WRITER", "process")
+    async with bare_store(f"sqlite+aiosqlite:///{db_path}") as store:
+        assert store.writer_process is not None
+        yield store
+
+
+def _statuses(db_path: Path) -> dict[str, str]:
+    """The transactions' statuses as the database file holds them (a connection of its own)."""
+    with sqlite3.connect(db_path) as conn:
+        return dict(conn.execute("SELECT tx_id, status FROM transactions").fetchall())
+
+
+async def _together(*blocks: Any) -> list[Any]:
+    """Run coroutines as concurrent tasks (so their transactions meet in one group)."""
+    return await asyncio.gather(*blocks, return_exceptions=True)
+
+
+async def _insert(store: Store, tx_id: str) -> None:
+    async with store.transaction() as work:
+        await insert_tx(work, tx_id)
+
+
+async def test_concurrent_transactions_share_commits_in_the_writer(
+    store: Store, db_path: Path
+) -> None:
+    before = store.stats.snapshot()
+    results = await _together(*(_insert(store, f"tx-{n}") for n in range(8)))
+    assert results == [None] * 8
+    assert store.writer_process is not None and store.writer_process.started == 1
+    assert store.stats.commits - before.commits < 8  # shared, not one each
+    assert _statuses(db_path) == {f"tx-{n}": "executing" for n in range(8)}
+    async with store.read() as conn:
+        for n in range(8):
+            assert await events.verify(conn, f"tx-{n}") == []
+
+
+async def test_a_failing_member_undoes_only_its_own_writes(store: Store, db_path: Path) -> None:
+    async with store.transaction() as work:
+        claim = await insert_tx(work, "tx-old")
+    stale = transactions.TxClaim("tx-old", claim.fence + 1, claim.status, claim.owner)
+
+    async def duplicate() -> None:
+        async with store.transaction() as work:
+            await insert_tx(work, "tx-dup-good")  # lands only if the member does
+            await insert_tx(work, "tx-old")
+
+    async def stale_fence() -> None:
+        async with store.transaction() as work:
+            await insert_tx(work, "tx-lost-good")
+            chain = await _chain(store, "tx-old")
+            await transactions.transition(work, chain, stale, TxState.FAILED, action="fail")
+
+    results = await _together(
+        _insert(store, "tx-a"), duplicate(), stale_fence(), _insert(store, "tx-b")
+    )
+    assert results[0] is None and results[3] is None
+    assert isinstance(results[1], DuplicateKey)
+    assert isinstance(results[2], LeaseLost) and "tx-old" in str(results[2])
+    assert _statuses(db_path) == {"tx-old": "executing", "tx-a": "executing", "tx-b": "executing"}
+    assert store.writer_process is not None and store.writer_process.started == 1
+
+
+async def _chain(store: Store, tx_id: str) -> Chain:
+    async with store.read() as conn:
+        return await events.chain_of(conn, tx_id)
+
+
+async def test_a_transaction_that_reads_sees_the_groups_before_it(store: Store) -> None:
+    seen: list[Any] = []
+
+    async def reader() -> None:
+        await asyncio.sleep(0)  # after the writers below have joined their group
+        async with store.transaction() as work:
+            seen.extend([await transactions.get(work.conn, f"tx-{n}") for n in range(4)])
+            await insert_tx(work, "tx-reader")
+
+    results = await _together(*(_insert(store, f"tx-{n}") for n in range(4)), reader())
+    assert results == [None] * 5
+    assert [r is not None and r.status for r in seen] == [TxState.EXECUTING] * 4
+    async with store.read() as conn:
+        assert await transactions.get(conn, "tx-reader") is not None
+
+
+async def test_a_writer_that_dies_in_flight_leaves_the_outcome_unknown(
+    store: Store, db_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    writer = store.writer_process
+    assert writer is not None
+    submit = WriterProcess.submit
+
+    def submit_then_die(self: WriterProcess, *args: Any, **kwargs: Any) -> Any:
+        future = submit(self, *args, **kwargs)
+        if self._proc is not None:  # (a second group finds the pipe broken already)
+            os.kill(self._proc.pid, signal.SIGKILL)  # before it can answer, with the group
+        return future
+
+    monkeypatch.setattr(WriterProcess, "submit", submit_then_die)
+    results = await _together(*(_insert(store, f"tx-{n}") for n in range(4)))
+    assert results and all(isinstance(r, StoreUnavailable) for r in results), results
+    assert "unknown" in str(results[0])
+    monkeypatch.setattr(WriterProcess, "submit", submit)
+    killed = writer.started  # one or two: a second group may have started (and lost) a second
+    results = await _together(*(_insert(store, f"tx-next-{n}") for n in range(4)))
+    assert results == [None] * 4
+    assert writer.started == killed + 1  # a fresh writer took over
+    assert {f"tx-next-{n}" for n in range(4)} <= set(_statuses(db_path))
+
+
+async def test_a_lone_transaction_commits_without_a_writer(store: Store, db_path: Path) -> None:
+    await _insert(store, "tx-alone")
+    assert store.writer_process is not None and store.writer_process.started == 0
+    assert _statuses(db_path) == {"tx-alone": "executing"}
+
+
+async def test_close_waits_for_the_group_in_flight(db_path: Path) -> None:
+    store = await Store.open(f"sqlite+aiosqlite:///{db_path}", sqlite_writer="process")
+    try:
+        async with store.transaction() as work:
+            await definitions.put(work, digest=DIGEST, name=SAGA, definition={"name": SAGA})
+        tasks = [asyncio.ensure_future(_insert(store, f"tx-{n}")) for n in range(6)]
+        for _turn in range(100):
+            await asyncio.sleep(0)
+            if store.writer_process is not None and store.writer_process.in_flight:
+                break
+        else:
+            pytest.fail("no group reached the writer")
+    finally:
+        await store.close()
+    assert all(t.done() and t.exception() is None for t in tasks)
+    assert set(_statuses(db_path)) == {f"tx-{n}" for n in range(6)}
+
+
+# -- the child's side, on its own ---------------------------------------------------------
+
+
+def test_the_child_runs_each_member_in_a_savepoint_of_its_own(tmp_path: Path) -> None:
+    conn = connect(str(tmp_path / "w.db"), "NORMAL", 1000)
+    conn.execute("CREATE TABLE t (k TEXT PRIMARY KEY, v INTEGER NOT NULL)")
+    conn.execute("INSERT INTO t VALUES ('x', 1)")
+    writer = Writer(conn)
+    insert, bump = "INSERT INTO t VALUES (?, ?)", "UPDATE t SET v = v + 1 WHERE k = ? AND v = ?"
+    outcomes, failure, statements = writer.run(
+        [insert, bump],
+        [
+            [(0, ("a", 1), False, 1), (1, ("x", 1), True, 1)],  # both stand
+            [(0, ("b", 1), False, 1), (0, ("a", 9), False, 1)],  # duplicate key: undone
+            [(0, ("c", 1), False, 1), (1, ("x", 1), True, 1)],  # stale: x is 2 now
+            [(0, ("d", 1, "e", 2), False, 2)],  # two rows in one write
+        ],
+    )
+    assert failure is None
+    assert outcomes[0] is None and outcomes[3] is None
+    assert outcomes[1][:2] == ("error", 1) and outcomes[1][2][0] == "IntegrityError"
+    assert outcomes[2] == ("lost", 1)
+    rows = dict(conn.execute("SELECT k, v FROM t").fetchall())
+    assert rows == {"x": 2, "a": 1, "d": 1, "e": 2}
+    # Writes run (2 + 2 + 2 + 1), a SAVEPOINT and a RELEASE per member, two ROLLBACK TOs.
+    assert statements == 7 + 4 * 2 + 2
+
+
+def test_a_childs_error_is_raised_again_as_sqlite_raised_it(tmp_path: Path) -> None:
+    conn = sqlite3.connect(tmp_path / "e.db")
+    conn.execute("CREATE TABLE t (k TEXT PRIMARY KEY)")
+    conn.execute("INSERT INTO t VALUES ('x')")
+    with pytest.raises(sqlite3.IntegrityError) as raised:
+        conn.execute("INSERT INTO t VALUES ('x')")
+    again = error_of(describe(raised.value))
+    assert type(again) is sqlite3.IntegrityError
+    assert str(again) == str(raised.value)
+    assert again.sqlite_errorcode == raised.value.sqlite_errorcode
+    wrapped = DBAPIError.instance("INSERT", None, again, sqlite3.Error)
+    assert isinstance(dialects.translate(wrapped), DuplicateKey)
+
+
+async def test_writers_that_cannot_be_shipped_still_share_commits(
+    store: Store, db_path: Path
+) -> None:
+    async def reading_writer(n: int) -> None:
+        async with store.transaction() as work:
+            await transactions.get(work.conn, "tx-none")  # a read: this one begins here
+            await insert_tx(work, f"tx-{n}")
+
+    before = store.stats.snapshot()
+    results = await _together(*(reading_writer(n) for n in range(6)))
+    assert results == [None] * 6
+    # The first begins here and opens an in-process group; the others join it.
+    assert store.stats.commits - before.commits < 6
+    assert store.writer_process is not None and store.writer_process.started == 0
+    assert set(_statuses(db_path)) == {f"tx-{n}" for n in range(6)}
