@@ -82,6 +82,9 @@ class BenchConfig:
     #: The engine's SQLite ``synchronous`` (FULL is its durable default); the driver loop uses
     #: the same, so the efficiency ratio compares like with like.
     sqlite_synchronous: str = "FULL"
+    #: Where the engine's SQLite store commits its groups (``None``: the engine's default;
+    #: :attr:`orchestrator.config.EngineSettings.sqlite_writer`).
+    sqlite_writer: Literal["inline", "process"] | None = None
     #: Longest wait for the outbox drain before the run is declared failed.
     drain_timeout_seconds: float = 120.0
     #: ``--workers W``: W worker processes drain sagas the bench prepared (0: in-process
@@ -146,6 +149,9 @@ class BenchResult:
     extra: dict[str, Any] = field(default_factory=dict)
     #: SQLite's ``synchronous`` for the engine and the driver loop (``None`` on PostgreSQL).
     sqlite_synchronous: str | None = None
+    #: Where the SQLite store committed its groups: ``inline`` or ``process`` (``None`` on
+    #: PostgreSQL and where the engine ran in other processes).
+    sqlite_writer: str | None = None
 
     def as_json(self) -> dict[str, Any]:
         """The report under stable keys (``--json``)."""
@@ -422,6 +428,7 @@ async def _run_on(config: BenchConfig, urls: DatabasePair) -> BenchResult:
         settings = EngineSettings(
             worker_id=f"bench-{uuid.uuid4().hex[:8]}",
             sqlite_synchronous=config.sqlite_synchronous,
+            sqlite_writer=config.sqlite_writer,
             # Every saga in flight holds a connection during each of its local transactions.
             pg_pool_size=max(dialects.PG_POOL_SIZE, config.concurrency),
         )
@@ -443,6 +450,8 @@ async def _run_on(config: BenchConfig, urls: DatabasePair) -> BenchResult:
             elapsed = time.perf_counter() - started
             cpu = time.process_time() - cpu_started
             after = orch.store.stats.snapshot()
+            # The SQLite writer process's CPU is the engine's too (ledger/sqlite_writer.py).
+            cpu += after.writer_cpu_s - before.writer_cpu_s
             provider_calls = calls[0] - calls_before
 
             check = await _check(shop, orch, config.sagas + config.warmup)
@@ -485,6 +494,7 @@ async def _run_on(config: BenchConfig, urls: DatabasePair) -> BenchResult:
         check=check,
         mode="sequential" if config.concurrency == 1 else "concurrent",
         sqlite_synchronous=config.sqlite_synchronous if urls.backend == "sqlite" else None,
+        sqlite_writer=orch.store.sqlite_writer if urls.backend == "sqlite" else None,
     )
 
 

@@ -29,7 +29,7 @@ import dataclasses
 import json
 import tempfile
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal, cast
 
 import typer
 from rich.console import Console
@@ -131,6 +131,13 @@ def bench(
     sqlite_synchronous: Annotated[
         str, typer.Option(help="SQLite synchronous pragma (engine and driver loop).")
     ] = "FULL",
+    sqlite_writer: Annotated[
+        str | None,
+        typer.Option(
+            help="SQLite: where the engine commits groups of sagas' transactions: inline (on "
+            "the event loop) | process (a writer process). Default: the engine's."
+        ),
+    ] = None,
     driver_seconds: Annotated[
         float, typer.Option(min=0.1, help="Length of the driver's small-commit loop.")
     ] = 1.5,
@@ -160,6 +167,8 @@ def bench(
         raise _usage(out, f"--provider must be one of {', '.join(PROVIDERS)}")
     if sqlite_synchronous.upper() not in {"OFF", "NORMAL", "FULL", "EXTRA"}:
         raise _usage(out, "--sqlite-synchronous must be OFF, NORMAL, FULL or EXTRA")
+    if sqlite_writer is not None and sqlite_writer not in ("inline", "process"):
+        raise _usage(out, "--sqlite-writer must be inline or process")
     postgres = db is not None and db.startswith("postgres")
     if workers and not recovery and not postgres:
         raise _usage(out, "--workers needs a PostgreSQL --db (SQLite has one writer)")
@@ -190,6 +199,7 @@ def bench(
         warmup=warmup,
         driver_seconds=driver_seconds,
         sqlite_synchronous=sqlite_synchronous.upper(),
+        sqlite_writer=cast(Literal["inline", "process"] | None, sqlite_writer),
         workers=workers,
         recovery=recovery,
     )

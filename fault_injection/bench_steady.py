@@ -24,6 +24,7 @@ import asyncio
 import tempfile
 import uuid
 from pathlib import Path
+from typing import Literal
 
 from fault_injection.bench import _run_sagas, open_shop
 from fault_injection.harness import DatabasePair, fresh_databases
@@ -34,12 +35,20 @@ from orchestrator.engine import Orchestrator
 WARMUP = 30
 
 
-async def run(sagas: int, concurrency: int, urls: DatabasePair, *, drain: bool) -> dict[str, int]:
+async def run(
+    sagas: int,
+    concurrency: int,
+    urls: DatabasePair,
+    *,
+    drain: bool,
+    sqlite_writer: Literal["inline", "process"] | None = None,
+) -> dict[str, int]:
     """Warm up, then run ``sagas`` order sagas ``concurrency`` at a time (then drain); the
     shop's effect counts."""
     settings = EngineSettings(
         worker_id=f"steady-{uuid.uuid4().hex[:8]}",
         sqlite_synchronous="NORMAL",
+        sqlite_writer=sqlite_writer,
         pg_pool_size=max(20, concurrency),
     )
     async with open_shop("memory", urls.provider) as shop:
@@ -59,7 +68,13 @@ async def run(sagas: int, concurrency: int, urls: DatabasePair, *, drain: bool) 
 async def _main(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="steady-") as workdir:
         async with fresh_databases(args.db, Path(workdir)) as urls:
-            await run(args.sagas, args.concurrency, urls, drain=not args.no_drain)
+            await run(
+                args.sagas,
+                args.concurrency,
+                urls,
+                drain=not args.no_drain,
+                sqlite_writer=args.sqlite_writer,
+            )
 
 
 def main() -> None:
@@ -68,6 +83,7 @@ def main() -> None:
     parser.add_argument("concurrency", type=int)
     parser.add_argument("db", nargs="?", default=None, help="omitted: SQLite files")
     parser.add_argument("--no-drain", action="store_true")
+    parser.add_argument("--sqlite-writer", choices=("inline", "process"), default=None)
     asyncio.run(_main(parser.parse_args()))
 
 

@@ -27,6 +27,7 @@ from fault_injection.contract_checks import check_provider_contract
 from fault_injection.harness import DatabasePair
 from fault_injection.steal import read_cpu_times
 from ledger import dialects
+from ledger.store import StoreStats
 from providers.contract import Confirmed, FencedOut, Rejected
 from providers.memory import MemoryShop
 from tests.conftest import DbUrls
@@ -123,6 +124,38 @@ async def test_bench_environment_names_the_server_it_ran_on(db_urls: DbUrls) -> 
             assert environment["postgresql"] == row.scalar_one()
     finally:
         await engine.dispose()
+
+
+@pytest.mark.parametrize("writer", ["inline", "process"])
+def test_bench_cli_says_where_sqlite_committed_and_counts_the_writers_cpu(
+    tmp_path: Path, writer: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "bench.json"
+    writer_cpu: list[float] = []
+    snapshot = StoreStats.snapshot
+
+    def seen(self: StoreStats) -> StoreStats:
+        writer_cpu.append(self.writer_cpu_s)
+        return snapshot(self)
+
+    monkeypatch.setattr(StoreStats, "snapshot", seen)
+    args = ["--sagas", "40", "--concurrency", "8", "--warmup", "1", "--driver-seconds", "0.1"]
+    got = CliRunner().invoke(app, [*args, "--sqlite-writer", writer, "--json", str(out)])
+    assert got.exit_code == 0, got.output
+    data = json.loads(out.read_text())
+    assert data["sqlite_writer"] == writer
+    assert data["check_ok"] is True
+    if writer == "process":
+        # The groups ran in the writer, whose CPU time its answers carried to the store.
+        assert max(writer_cpu) > 0
+    else:
+        assert max(writer_cpu) == 0
+
+
+def test_bench_cli_refuses_an_unknown_sqlite_writer() -> None:
+    got = CliRunner().invoke(app, ["--sagas", "1", "--sqlite-writer", "thread"])
+    assert got.exit_code == 2
+    assert "--sqlite-writer must be inline or process" in got.output
 
 
 def test_bench_cli_refuses_unknown_provider() -> None:
