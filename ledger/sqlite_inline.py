@@ -268,15 +268,24 @@ class InlineConnection:
             checkpointer.detach()
 
 
+#: At most this many ready callbacks are looked at by :func:`others_ready`.
+_READY_SCANNED = 64
+
+
 def others_ready() -> bool:
     """Whether the event loop has other callbacks ready to run now (a loop that does not say,
-    such as uvloop, is taken to have some). A lone cancelled callback does not count: that is
-    the riders' flush (:mod:`ledger.riders`) a transaction just made unnecessary."""
+    such as uvloop, is taken to have some). Cancelled callbacks do not count: they will not
+    run. A sequential saga leaves one or two behind at the end of a transaction (the riders'
+    flush, :mod:`ledger.riders`, that the transaction just made unnecessary, among them), and
+    counting them sent its commits the long way: a loop turn in-process, a round trip to the
+    SQLite writer process (:mod:`ledger.sqlite_writer`)."""
     ready = getattr(asyncio.get_running_loop(), "_ready", None)
-    if ready is None:
+    if ready is None or len(ready) > _READY_SCANNED:
+        # Many: there are others, or cancelled ones piled up behind a caller that has not let
+        # the loop turn for a while (each saga of a sequential caller that never waits leaves
+        # one). Either way the long way is taken once, and its loop turn clears the pile.
         return True
-    count = len(ready)
-    return count > 1 or (count == 1 and not ready[0].cancelled())
+    return any(not handle.cancelled() for handle in ready)
 
 
 def connector(path: str, *, busy_timeout_ms: int, synchronous: str) -> Callable[[], Any]:

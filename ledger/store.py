@@ -765,13 +765,14 @@ class Store:
                     await _quietly(conn.rollback())
                     await _quietly(conn.close())
                     raise
-                if not self._open_group(group):
+                if self._nobody_could_join():
                     # Nobody is waiting for the lock and nothing else can run before the
                     # commit, so nobody could join a group within a loop turn: commit now, with
                     # no committer task, no future and no second turn of the lock.
                     await self._commit_physical(conn)
                     work._advance_chains()
                     return
+                self._open_group(group)
             else:
                 async with self._member_of(group) as work:
                     yield work
@@ -857,11 +858,10 @@ class Store:
                     if work._deferred and not work._pending:
                         self._writer = conn  # nothing to write, nothing begun
                         return
-                    if work._deferred and (
-                        self._building is not None
-                        or self.writer_process.in_flight
-                        or self._queued_writers
-                        or others_ready()
+                    # Whether it could still be shipped, and whether anyone could join it.
+                    shippable, alone = work._deferred, self._nobody_could_join()
+                    if shippable and (
+                        self._building is not None or self.writer_process.in_flight or not alone
                     ):
                         self._writer = conn
                         shipment, index = self._join_shipment(work)
@@ -875,11 +875,12 @@ class Store:
                         await _quietly(conn.close())
                     raise
                 if shipment is None:
-                    group = CommitGroup(conn, asyncio.get_running_loop().create_future())
-                    if not self._open_group(group):
+                    if alone if shippable else self._nobody_could_join():
                         await self._commit_physical(conn)
                         work._advance_chains()
                         return
+                    group = CommitGroup(conn, asyncio.get_running_loop().create_future())
+                    self._open_group(group)
         finally:
             self._write_lock.release()
         if shipment is not None:
@@ -954,22 +955,26 @@ class Store:
         :meth:`_shipped`): after the group being built and every group in flight have been
         committed by the writer process, so that it sees their writes and the SQLite lock is
         free."""
-        assert self.writer_process is not None
-        self._ship()
-        await self.writer_process.drained()
+        writer = self.writer_process
+        assert writer is not None
+        if self._building is not None:
+            self._ship()
+        if writer.in_flight:
+            await writer.drained()
         await self._begin_writer(work.conn)
         work._deferred = False
 
-    def _open_group(self, group: CommitGroup) -> bool:
+    def _nobody_could_join(self) -> bool:
+        """Whether no writer could join a group within this loop turn: nobody waits for the
+        lock and nothing else is ready to run."""
+        return not self._queued_writers and not others_ready()
+
+    def _open_group(self, group: CommitGroup) -> None:
         """Its first writer's block has ended: open ``group`` to the writers that get the lock
-        within this loop turn, and schedule its commit (``False``: nobody could join, as nobody
-        waits for the lock and nothing else is ready to run; the caller commits now)."""
-        if not self._queued_writers and not others_ready():
-            return False
+        within this loop turn, and schedule its commit."""
         self._group = group
         group.members = 1
         group.committer = asyncio.ensure_future(self._commit_group(group))
-        return True
 
     async def _begin_writer(self, conn: AsyncConnection) -> None:
         """``BEGIN IMMEDIATE`` on the writer connection.

@@ -199,3 +199,26 @@ def test_a_lone_cancelled_callback_is_not_other_work() -> None:
         return alone, pending, others_ready()
 
     assert asyncio.run(main()) == (False, True, False)
+
+
+def test_cancelled_callbacks_are_not_other_work_however_many_until_they_pile_up() -> None:
+    """A sequential caller whose sagas never let the loop turn leaves one cancelled riders'
+    flush per saga in the ready queue: a few are not other work (it commits at once), a pile
+    is taken as some (once: the long way's loop turn clears it), so the check stays cheap."""
+    from ledger.sqlite_inline import _READY_SCANNED, others_ready
+
+    async def main() -> list[bool]:
+        loop = asyncio.get_running_loop()
+        seen = []
+        for count in (2, _READY_SCANNED, _READY_SCANNED + 1):
+            handles = [loop.call_soon(lambda: None) for _ in range(count)]
+            for h in handles:
+                h.cancel()
+            seen.append(others_ready())
+            live = loop.call_soon(lambda: None)  # behind the cancelled ones
+            seen.append(others_ready())
+            live.cancel()
+            await asyncio.sleep(0)  # the loop turns: the queue is empty again
+        return seen
+
+    assert asyncio.run(main()) == [False, True, False, True, True, True]
