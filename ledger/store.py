@@ -209,8 +209,6 @@ class Work:
             self._pending_rows.add(row)
 
     def _batchable(self, stmt: Executable, keys: tuple[str, ...]) -> Compiled | None:
-        if not self.store.batches_writes:
-            return None  # every write runs at once
         return self.store.hot.batchable(self.conn, stmt, keys)
 
     async def send_writes(self, *, final: bool = False) -> None:
@@ -471,9 +469,6 @@ class Store:
             # PostgreSQL: grouped commits leave in two cohorts (ledger/grouped.py), or in one.
             population=(lambda: self._open_writes) if commit_cohorts else None,
         )
-        #: Blind writes are held back and sent together when the block ends (ledger/batched.py):
-        #: on PostgreSQL as one statement, on SQLite one by one.
-        self.batches_writes = True
         #: SQLite: the process that commits groups of this store's transactions
         #: (:mod:`ledger.sqlite_writer`; ``None``: they commit on the event loop).
         self.writer_process = writer_process
@@ -548,16 +543,15 @@ class Store:
             if not statement.startswith(("BEGIN", "PRAGMA")):
                 self.stats.statements += 1
 
-        if self.batches_writes:
+        def before_execute(conn: Any, *_args: Any) -> None:
+            # Any other statement sees the held-back writes of its transaction, as if they had
+            # run at once (ledger/batched.py), and with the SQLite writer process it begins the
+            # transaction here first (Store._begin). This runs inside SQLAlchemy's greenlet.
+            work = conn.info.get(_WORK_KEY)
+            if work is not None and (work._pending or work._deferred):
+                await_only(work.send_writes())
 
-            def before_execute(conn: Any, *_args: Any) -> None:
-                # Any other statement sees the held-back writes of its transaction, as if they
-                # had run at once (ledger/batched.py). This runs inside SQLAlchemy's greenlet.
-                work = conn.info.get(_WORK_KEY)
-                if work is not None and (work._pending or work._deferred):
-                    await_only(work.send_writes())
-
-            event.listen(sync_engine, "before_execute", before_execute)
+        event.listen(sync_engine, "before_execute", before_execute)
         event.listen(sync_engine, "commit", on_commit)
         event.listen(sync_engine, "rollback", on_rollback)
         event.listen(sync_engine, "before_cursor_execute", on_execute)
