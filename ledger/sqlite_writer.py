@@ -13,6 +13,10 @@ What the parent learns, and what it concludes (:class:`Answer`):
   future fails with :class:`~ledger.errors.StoreUnavailable`, as a PostgreSQL transaction's
   does when its connection drops during the commit; what was committed is durable, and
   recovery reads it back. The next group starts a fresh child.
+* a child that ends before its first answer, :data:`SILENT_DEATHS` times in a row: a writer
+  cannot run here (the host's ``sys.executable`` is not a plain Python, say). The groups it was
+  given failed as above; :attr:`WriterProcess.unusable` is set, with a warning, and the store
+  commits in-process from then on, as if it had been configured so.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import structlog
+
 from ledger import sqlite_writer_child
 from ledger.batched import PendingWrite
 from ledger.errors import StoreUnavailable
@@ -37,6 +43,10 @@ from ledger.errors import StoreUnavailable
 _LENGTH = struct.Struct(">I")
 #: How long :meth:`WriterProcess.close` waits for the child to end after its input closed.
 CLOSE_WAIT_S = 5.0
+#: Children in a row that end before their first answer, after which the store stops trying.
+SILENT_DEATHS = 2
+
+log = structlog.get_logger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +94,14 @@ class WriterProcess:
         self._numbers: dict[str, int] = {}
         #: Children started so far (a restart after a death adds one).
         self.started = 0
+        #: Whether the running child has answered yet, and how many children in a row ended
+        #: before their first answer.
+        self._answered = False
+        self._silent_deaths = 0
+        #: Set once :data:`SILENT_DEATHS` children in a row ended before their first answer: a
+        #: writer cannot run here (``sys.executable`` is not a plain Python, say), and the
+        #: store commits in-process from then on (:meth:`ledger.store.Store.transaction`).
+        self.unusable = False
         #: CPU time of the children that ended, and of the running one as of its last answer.
         self._ended_cpu_s = 0.0
         self._child_cpu_s = 0.0
@@ -136,6 +154,8 @@ class WriterProcess:
     def _ensure_running(self, loop: asyncio.AbstractEventLoop) -> None:
         if self._proc is not None:
             return
+        if self.unusable:
+            raise OSError("it ended before answering, every time it was started")
         proc = subprocess.Popen(
             self._argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True
         )
@@ -143,6 +163,7 @@ class WriterProcess:
         os.set_blocking(proc.stdin.fileno(), False)
         os.set_blocking(proc.stdout.fileno(), False)
         self._proc, self._loop = proc, loop
+        self._answered = False
         self._numbers = {}
         self._ended_cpu_s += self._child_cpu_s
         self._child_cpu_s = 0.0
@@ -211,6 +232,7 @@ class WriterProcess:
                 return
             del inbox[: _LENGTH.size + size]
             self._child_cpu_s = answer.cpu_s
+            self._answered, self._silent_deaths = True, 0
             future = self._waiting.popleft()
             if not future.done():
                 future.set_result(answer)
@@ -219,6 +241,15 @@ class WriterProcess:
         """No answer will come for the groups in flight: their outcome is unknown. The child,
         if it still runs, is ended (a writer whose pipe broke cannot be trusted with more)."""
         proc = self._detach()
+        if proc is not None and not self._answered:
+            self._silent_deaths += 1
+            if self._silent_deaths >= SILENT_DEATHS and not self.unusable:
+                self.unusable = True
+                log.warning(
+                    "the SQLite writer process cannot run here: committing in-process",
+                    argv=self._argv[:4],
+                    why=why,
+                )
         if proc is not None:
             with contextlib.suppress(OSError):
                 proc.kill()

@@ -601,7 +601,7 @@ class Store:
         this process (:class:`CommitGroup`); on PostgreSQL it is its own."""
         if self._write_lock is None:
             inner = self._transaction()
-        elif self.writer_process is not None:
+        elif self.writer_process is not None and not self.writer_process.unusable:
             inner = self._shipped()
         else:
             inner = self._grouped()
@@ -627,8 +627,10 @@ class Store:
 
     @property
     def sqlite_writer(self) -> SqliteWriter:
-        """Where this store commits groups of transactions (``inline`` on PostgreSQL too)."""
-        return "process" if self.writer_process is not None else "inline"
+        """Where this store commits groups of transactions now (``inline`` on PostgreSQL, and
+        once a writer process turned out unable to run: :attr:`WriterProcess.unusable`)."""
+        writer = self.writer_process
+        return "process" if writer is not None and not writer.unusable else "inline"
 
     @property
     def open_writes(self) -> int:

@@ -14,7 +14,9 @@ this mode can get wrong, checked in the database file itself where it matters:
 * a writer that dies with a group in flight: that group's members are told the outcome is
   unknown (never "failed", never "committed"), and the next group starts a fresh writer;
 * a lone transaction commits in-process (no writer is even started), and ``close`` waits for
-  the group in flight.
+  the group in flight;
+* a writer that cannot run here (it ends before answering, twice) is given up, and the store
+  commits in-process from then on.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import asyncio
 import os
 import signal
 import sqlite3
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -32,7 +35,7 @@ from sqlalchemy.exc import DBAPIError
 
 from ledger import definitions, dialects, events, transactions
 from ledger.errors import DuplicateKey, LeaseLost, StoreUnavailable
-from ledger.sqlite_writer import WriterProcess, error_of
+from ledger.sqlite_writer import SILENT_DEATHS, WriterProcess, error_of
 from ledger.sqlite_writer_child import Writer, connect, describe
 from ledger.states import TxState
 from ledger.store import Chain, Store
@@ -235,3 +238,27 @@ async def test_writers_that_cannot_be_shipped_still_share_commits(
     assert store.stats.commits - before.commits < 6
     assert store.writer_process is not None and store.writer_process.started == 0
     assert set(_statuses(db_path)) == {f"tx-{n}" for n in range(6)}
+
+
+async def test_a_writer_that_cannot_run_is_given_up_for_in_process_commits(
+    store: Store, db_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    writer = store.writer_process
+    assert writer is not None
+    # A "Python" that ends at once, as a host whose sys.executable is not one would.
+    monkeypatch.setattr(writer, "_argv", [sys.executable, "-c", "raise SystemExit(3)"])
+    results: list[Any] = []
+    for attempt in range(2 * SILENT_DEATHS):
+        results += await _together(*(_insert(store, f"tx-{attempt}-{n}") for n in range(4)))
+        if writer.unusable:
+            break
+    assert writer.unusable and store.sqlite_writer == "inline"
+    assert writer.started == SILENT_DEATHS  # given up after that many, with a warning
+    # Each group given to a child that died failed as unknown; a lone one committed here.
+    assert any(isinstance(r, StoreUnavailable) for r in results)
+    assert all(r is None or isinstance(r, StoreUnavailable) for r in results)
+    started = writer.started
+    results = await _together(*(_insert(store, f"tx-after-{n}") for n in range(4)))
+    assert results == [None] * 4  # committed in-process, in one group
+    assert writer.started == started  # no further attempt
+    assert {f"tx-after-{n}" for n in range(4)} <= set(_statuses(db_path))
