@@ -45,11 +45,12 @@ What keeps this invisible to the code that writes:
   :meth:`~ledger.store.Work.send_writes` sends them at once where a caller must catch one
   inside the block.
 
-SQLite holds blind writes back in the same way, but runs them one by one when they are sent
-(:meth:`ledger.hot.HotPath.send`): its statements cost microseconds and it has no round trips,
-so there is nothing to compose. What holding them buys there is that a transaction's writes
-exist as a list when its block ends, which a commit group's member hands to the SQLite writer
-process (:mod:`ledger.sqlite_writer`) instead of running them itself.
+SQLite runs each write at once (its statements cost microseconds; it has no round trips),
+except in a transaction that may still be shipped to the SQLite writer process
+(:mod:`ledger.sqlite_writer`, ``Work._deferred``): there they are held back the same way, so
+that they exist as a list when the block ends, and the member hands the list to the writer
+instead of running it (or, if it begins here after all, runs them one by one:
+:meth:`ledger.hot.HotPath.send`).
 """
 
 from __future__ import annotations

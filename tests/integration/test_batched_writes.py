@@ -1,9 +1,10 @@
 """Held-back writes (ledger/batched.py, Work.write): one statement per transaction on PostgreSQL.
 
-On SQLite blind writes are held back and run one by one when sent; on PostgreSQL they are held
-back and sent with the ledger rows as one statement of data-modifying CTEs. The observable
-behaviour must be the same on both — checked here on both backends — and only the cost
-differs. What could break: a lease lost in the combined statement committing the
+On SQLite every write runs at once (except with the writer process, where they are held back and
+shipped: ``test_sqlite_writer.py``, and this module again in CI's second SQLite pass); on
+PostgreSQL they are held back and sent with the ledger rows as one statement of data-modifying
+CTEs. The observable behaviour must be the same on both — checked here on both backends — and
+only the cost differs. What could break: a lease lost in the combined statement committing the
 transaction's other writes; a read inside the transaction not seeing an earlier write; two
 writes to one row in one statement (one snapshot) losing the second; ledger rows of one
 statement landing out of ``seq`` order (the chain would not verify); a duplicate transaction
