@@ -41,6 +41,7 @@ from fault_injection.harness import DatabasePair, fresh_databases
 from fault_injection.sagas import STOCK, order, order_saga
 from ledger import dialects
 from ledger.states import TxState
+from ledger.store import SqliteWriter
 from orchestrator.config import EngineSettings
 from orchestrator.engine import Orchestrator
 from providers.contract import (
@@ -84,7 +85,7 @@ class BenchConfig:
     sqlite_synchronous: str = "FULL"
     #: Where the engine's SQLite store commits its groups (``None``: the engine's default;
     #: :attr:`orchestrator.config.EngineSettings.sqlite_writer`).
-    sqlite_writer: Literal["inline", "process"] | None = None
+    sqlite_writer: SqliteWriter | None = None
     #: Longest wait for the outbox drain before the run is declared failed.
     drain_timeout_seconds: float = 120.0
     #: ``--workers W``: W worker processes drain sagas the bench prepared (0: in-process

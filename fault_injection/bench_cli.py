@@ -29,7 +29,7 @@ import dataclasses
 import json
 import tempfile
 from pathlib import Path
-from typing import Annotated, Any, Literal, cast
+from typing import Annotated, Any, cast
 
 import typer
 from rich.console import Console
@@ -38,6 +38,7 @@ from rich.table import Table
 from fault_injection.bench import PROVIDERS, BenchConfig, BenchResult, run_bench
 from fault_injection.bench_environment import describe, one_line
 from fault_injection.steal import read_cpu_times, stolen_share
+from ledger.store import SqliteWriter
 
 app = typer.Typer(
     help="Benchmark the order saga end to end.",
@@ -199,7 +200,7 @@ def bench(
         warmup=warmup,
         driver_seconds=driver_seconds,
         sqlite_synchronous=sqlite_synchronous.upper(),
-        sqlite_writer=cast(Literal["inline", "process"] | None, sqlite_writer),
+        sqlite_writer=cast(SqliteWriter | None, sqlite_writer),
         workers=workers,
         recovery=recovery,
     )

@@ -24,11 +24,11 @@ import asyncio
 import tempfile
 import uuid
 from pathlib import Path
-from typing import Literal
 
 from fault_injection.bench import _run_sagas, open_shop
 from fault_injection.harness import DatabasePair, fresh_databases
 from fault_injection.sagas import order_saga
+from ledger.store import SqliteWriter
 from orchestrator.config import EngineSettings
 from orchestrator.engine import Orchestrator
 
@@ -41,7 +41,7 @@ async def run(
     urls: DatabasePair,
     *,
     drain: bool,
-    sqlite_writer: Literal["inline", "process"] | None = None,
+    sqlite_writer: SqliteWriter | None = None,
 ) -> dict[str, int]:
     """Warm up, then run ``sagas`` order sagas ``concurrency`` at a time (then drain); the
     shop's effect counts."""

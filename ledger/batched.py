@@ -91,12 +91,6 @@ class PendingWrite:
     rows: int = 1
 
 
-def rows_of(write: PendingWrite) -> list[tuple[Any, ...]]:
-    """A multi-row write's arguments, one tuple per row (``args`` holds them end to end)."""
-    width = len(write.args) // write.rows
-    return [write.args[i : i + width] for i in range(0, len(write.args), width)]
-
-
 def composable(compiled: Compiled) -> bool:
     """Whether a compiled statement can be one CTE of the combined statement: its SQL carries
     no literal (placeholders are renumbered textually, so no ``$n`` may hide in a string)."""

@@ -74,9 +74,9 @@ SQLITE_BUSY_TIMEOUT_MS = 10_000
 def sqlite_file(url: str) -> str | None:
     """The file a SQLite URL names, if it is a plain file (no ``:memory:``, no query string:
     the URLs whose statements run on the event loop, :mod:`ledger.sqlite_inline`)."""
-    parsed = make_url(normalize_url(url))
     if dialect_of(url) != "sqlite":
         return None
+    parsed = make_url(normalize_url(url))
     database = parsed.database or ""
     if database and database != ":memory:" and not parsed.query:
         return database
@@ -190,9 +190,8 @@ def _sqlite_engine(url: str, synchronous: str, busy_timeout_ms: int) -> AsyncEng
         raise ValueError(
             f"sqlite synchronous must be OFF, NORMAL, FULL or EXTRA, not {synchronous!r}"
         )
-    parsed = make_url(url)
-    database = parsed.database or ""
-    if database and database != ":memory:" and not parsed.query:
+    database = sqlite_file(url)
+    if database is not None:
         # A plain file: statements run on the event loop, only BEGIN/COMMIT on a thread
         # (ledger/sqlite_inline.py says why). Anything else keeps aiosqlite as it comes.
         engine = create_async_engine(

@@ -45,6 +45,7 @@ from ledger import batched
 from ledger.errors import StoreUnavailable
 from ledger.grouped import GroupSender
 from ledger.sqlite_inline import InlineConnection
+from ledger.sqlite_writer_child import split_rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,7 +246,7 @@ class HotPath:
                 if write.rows == 1:
                     changed = cursor.execute(sql, write.args).rowcount
                 else:
-                    cursor.executemany(sql, batched.rows_of(write))
+                    cursor.executemany(sql, split_rows(write.args, write.rows))
                     continue
             except Exception as exc:
                 await _raise_as_sqlalchemy(conn, exc, sql, write.args)

@@ -45,6 +45,7 @@ import sqlite3
 import struct
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any, BinaryIO
 
 _LENGTH = struct.Struct(">I")
@@ -61,6 +62,13 @@ class _Failed(Exception):
     def __init__(self, index: int, error: sqlite3.Error) -> None:
         self.index = index
         self.error = error
+
+
+def split_rows(args: Sequence[Any], rows: int) -> list[Sequence[Any]]:
+    """A multi-row write's arguments (``rows`` rows' end to end), one sequence per row. The
+    parent's in-process path (``ledger.hot``) splits them with this too."""
+    width = len(args) // rows
+    return [args[i : i + width] for i in range(0, len(args), width)]
 
 
 def describe(error: sqlite3.Error) -> Error:
@@ -136,10 +144,7 @@ class Writer:
                 if rows == 1:
                     changed = cursor.execute(sql[number], args).rowcount
                 else:
-                    width = len(args) // rows
-                    cursor.executemany(
-                        sql[number], [args[i : i + width] for i in range(0, len(args), width)]
-                    )
+                    cursor.executemany(sql[number], split_rows(args, rows))
                     continue
             except sqlite3.Error as exc:
                 raise _Failed(index, exc) from None

@@ -740,11 +740,7 @@ class Store:
         writer waiting for the lock and nothing else ready to run on the loop, nobody could
         join within the loop turn, so it commits at once instead of scheduling the commit."""
         assert self._write_lock is not None
-        self._queued_writers += 1
-        try:
-            await self._write_lock.acquire()
-        finally:
-            self._queued_writers -= 1
+        await self._take_write_lock()
         try:
             group = self._group
             if group is None:
@@ -781,6 +777,16 @@ class Store:
             self._write_lock.release()
         await asyncio.shield(group.done)
         work._advance_chains()
+
+    async def _take_write_lock(self) -> None:
+        """Queue for the store's lock, counted in ``_queued_writers`` while waiting (a writer
+        that ends sees whether anyone could join its group)."""
+        assert self._write_lock is not None
+        self._queued_writers += 1
+        try:
+            await self._write_lock.acquire()
+        finally:
+            self._queued_writers -= 1
 
     @asynccontextmanager
     async def _member_of(self, group: CommitGroup) -> AsyncIterator[Work]:
@@ -834,11 +840,7 @@ class Store:
         group is open join it (:meth:`_member_of`), so transactions that cannot be shipped
         still share commits. Shipping resumes once it has committed."""
         assert self._write_lock is not None and self.writer_process is not None
-        self._queued_writers += 1
-        try:
-            await self._write_lock.acquire()
-        finally:
-            self._queued_writers -= 1
+        await self._take_write_lock()
         shipment: Shipment | None = None
         index = 0
         try:
@@ -904,11 +906,11 @@ class Store:
         return shipment, index
 
     def _settle_member(self, answer: Answer, writes: Sequence[PendingWrite], index: int) -> None:
-        """Raise what the writer process says of ``work`` (nothing if its writes were
-        committed): the error that kept the group from committing, or the member's own lost
-        lease or error. Errors are raised as SQLAlchemy raises a statement's, so they are
-        translated as in-process ones are (:func:`_raise_translated`). A refused member counts
-        as a rollback, as its own transaction would have."""
+        """Raise what the writer process says of member ``index`` (``writes``: its writes;
+        nothing if they were committed): the error that kept the group from committing, or the
+        member's own lost lease or error. Errors are raised as SQLAlchemy raises a statement's,
+        so they are translated as in-process ones are (:func:`_raise_translated`). A refused
+        member counts as a rollback, as its own transaction would have."""
         if answer.failure is not None:
             self.stats.rollbacks += 1
             raise _as_statement_error("COMMIT", answer.failure)

@@ -5,11 +5,11 @@ from __future__ import annotations
 import os
 import socket
 import uuid
-from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from ledger import dialects
+from ledger.store import SqliteWriter
 
 
 def default_worker_id() -> str:
@@ -61,7 +61,7 @@ class EngineSettings(BaseModel):
     #: its other sagas (``ledger/sqlite_writer.py``); a transaction alone, and one that needs
     #: more than blind writes, still commits here. ``inline``: on the event loop. ``None``:
     #: the store's default (:data:`ledger.store.DEFAULT_SQLITE_WRITER`).
-    sqlite_writer: Literal["inline", "process"] | None = None
+    sqlite_writer: SqliteWriter | None = None
 
     @property
     def lease_ms(self) -> int:
