@@ -13,10 +13,11 @@ What the parent learns, and what it concludes (:class:`Answer`):
   future fails with :class:`~ledger.errors.StoreUnavailable`, as a PostgreSQL transaction's
   does when its connection drops during the commit; what was committed is durable, and
   recovery reads it back. The next group starts a fresh child.
-* a child that ends before its first answer, :data:`SILENT_DEATHS` times in a row: a writer
-  cannot run here (the host's ``sys.executable`` is not a plain Python, say). The groups it was
-  given failed as above; :attr:`WriterProcess.unusable` is set, with a warning, and the store
-  commits in-process from then on, as if it had been configured so.
+* a child that exits on its own (not killed by a signal) before its first answer,
+  :data:`SILENT_DEATHS` times in a row: a writer cannot run here (the host's ``sys.executable``
+  is not a plain Python, say). The groups it was given failed as above;
+  :attr:`WriterProcess.unusable` is set, with a warning, and the store commits in-process from
+  then on, as if it had been configured so.
 """
 
 from __future__ import annotations
@@ -43,7 +44,10 @@ from ledger.errors import StoreUnavailable
 _LENGTH = struct.Struct(">I")
 #: How long :meth:`WriterProcess.close` waits for the child to end after its input closed.
 CLOSE_WAIT_S = 5.0
-#: Children in a row that end before their first answer, after which the store stops trying.
+#: How long a child whose pipe closed is given to be reaped before it is killed.
+REAP_WAIT_S = 0.05
+#: Children in a row that exit on their own before their first answer, after which the store
+#: stops trying.
 SILENT_DEATHS = 2
 
 log = structlog.get_logger(__name__)
@@ -94,11 +98,11 @@ class WriterProcess:
         self._numbers: dict[str, int] = {}
         #: Children started so far (a restart after a death adds one).
         self.started = 0
-        #: Whether the running child has answered yet, and how many children in a row ended
-        #: before their first answer.
+        #: Whether the running child has answered yet, and how many children in a row exited
+        #: on their own before their first answer.
         self._answered = False
         self._silent_deaths = 0
-        #: Set once :data:`SILENT_DEATHS` children in a row ended before their first answer: a
+        #: Set once :data:`SILENT_DEATHS` children in a row exited before their first answer: a
         #: writer cannot run here (``sys.executable`` is not a plain Python, say), and the
         #: store commits in-process from then on (:meth:`ledger.store.Store.transaction`).
         self.unusable = False
@@ -118,21 +122,15 @@ class WriterProcess:
         return len(self._waiting)
 
     def submit(
-        self,
-        members: Sequence[Sequence[PendingWrite]],
-        future: asyncio.Future[Answer] | None = None,
-    ) -> asyncio.Future[Answer]:
-        """Hand a group (one list of writes per member) to the child. ``future`` (a new one if
-        not given) resolves with its :class:`Answer`, or fails with :class:`StoreUnavailable`
-        if none comes."""
-        loop = asyncio.get_running_loop()
-        if future is None:
-            future = loop.create_future()
+        self, members: Sequence[Sequence[PendingWrite]], future: asyncio.Future[Answer]
+    ) -> None:
+        """Hand a group (one list of writes per member) to the child. ``future`` resolves with
+        its :class:`Answer`, or fails with :class:`StoreUnavailable` if none comes."""
         try:
-            self._ensure_running(loop)
+            self._ensure_running(asyncio.get_running_loop())
         except OSError as exc:
             future.set_exception(StoreUnavailable(f"the SQLite writer did not start: {exc}"))
-            return future
+            return
         numbers = self._numbers
         new_sql: list[str] = []
         message = []
@@ -146,10 +144,13 @@ class WriterProcess:
                     new_sql.append(sql)
                 shipped.append((number, write.args, write.lost is not None, write.rows))
             message.append(shipped)
-        body = pickle.dumps((new_sql, message), protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            body = pickle.dumps((new_sql, message), protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:  # nothing was sent: the members learn why instead of waiting
+            future.set_exception(exc)
+            return
         self._waiting.append(future)
         self._send(_LENGTH.pack(len(body)) + body)
-        return future
 
     def _ensure_running(self, loop: asyncio.AbstractEventLoop) -> None:
         if self._proc is not None:
@@ -241,7 +242,14 @@ class WriterProcess:
         """No answer will come for the groups in flight: their outcome is unknown. The child,
         if it still runs, is ended (a writer whose pipe broke cannot be trusted with more)."""
         proc = self._detach()
-        if proc is not None and not self._answered:
+        # Ended on its own (an exit status, not a signal: a crash or a kill is no sign that a
+        # writer cannot run here) before it ever answered. Its pipes close before the kernel
+        # lets it be reaped, so it is given a moment to be (a rare path: a writer's end).
+        exited = None
+        if proc is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                exited = proc.wait(timeout=REAP_WAIT_S)
+        if exited is not None and exited >= 0 and not self._answered:
             self._silent_deaths += 1
             if self._silent_deaths >= SILENT_DEATHS and not self.unusable:
                 self.unusable = True

@@ -28,6 +28,7 @@ import sqlite3
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -139,11 +140,10 @@ async def test_a_writer_that_dies_in_flight_leaves_the_outcome_unknown(
     assert writer is not None
     submit = WriterProcess.submit
 
-    def submit_then_die(self: WriterProcess, *args: Any, **kwargs: Any) -> Any:
-        future = submit(self, *args, **kwargs)
+    def submit_then_die(self: WriterProcess, *args: Any) -> None:
+        submit(self, *args)
         if self._proc is not None:  # (a second group finds the pipe broken already)
             os.kill(self._proc.pid, signal.SIGKILL)  # before it can answer, with the group
-        return future
 
     monkeypatch.setattr(WriterProcess, "submit", submit_then_die)
     results = await _together(*(_insert(store, f"tx-{n}") for n in range(4)))
@@ -154,6 +154,7 @@ async def test_a_writer_that_dies_in_flight_leaves_the_outcome_unknown(
     results = await _together(*(_insert(store, f"tx-next-{n}") for n in range(4)))
     assert results == [None] * 4
     assert writer.started == killed + 1  # a fresh writer took over
+    assert not writer.unusable  # killed is not "cannot run here": no giving up on it
     assert {f"tx-next-{n}" for n in range(4)} <= set(_statuses(db_path))
 
 
@@ -262,3 +263,22 @@ async def test_a_writer_that_cannot_run_is_given_up_for_in_process_commits(
     assert results == [None] * 4  # committed in-process, in one group
     assert writer.started == started  # no further attempt
     assert {f"tx-after-{n}" for n in range(4)} <= set(_statuses(db_path))
+
+
+async def test_a_group_that_cannot_be_sent_fails_at_once_instead_of_waiting(
+    db_path: Path,
+) -> None:
+    writer = WriterProcess(str(db_path), synchronous="NORMAL", busy_timeout_ms=1000)
+    unsendable = SimpleNamespace(
+        compiled=SimpleNamespace(sql="INSERT INTO t VALUES (?)"),
+        args=(lambda: None,),  # nothing a pipe can carry
+        lost=None,
+        rows=1,
+    )
+    done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+    try:
+        writer.submit([[unsendable]], done)  # type: ignore[list-item]
+        assert done.done() and done.exception() is not None
+        assert writer.in_flight == 0
+    finally:
+        await writer.close()
