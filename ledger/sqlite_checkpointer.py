@@ -41,16 +41,26 @@ SQLite syncs the database file before any write may reuse the log. If the thread
 the log grows until it catches up; if a checkpoint fails (another process checkpointing the
 same file at that moment), the next one retries. When the last connection closes, SQLite
 checkpoints and removes the log as always.
+
+**Two users.** The engine's own connections (:mod:`ledger.sqlite_inline`), and the SQLite
+writer process (:mod:`ledger.sqlite_writer_child`), which runs its groups' commits on a
+connection of its own and loads this file by path. So this module needs nothing but the
+standard library: a failure is reported through the ``warn`` function its user passes.
 """
 
 from __future__ import annotations
 
 import sqlite3
 import threading
+from collections.abc import Callable
 
-import structlog
+#: How a failed checkpoint is reported: ``warn(what, error)``.
+Warn = Callable[[str, str], None]
 
-log = structlog.get_logger(__name__)
+
+def _unreported(what: str, error: str) -> None:
+    """The default ``warn``: failures are only counted (:attr:`Checkpointer.failures`)."""
+
 
 #: Writing commits between two checkpoints: a saga's commits append about ten pages each, so
 #: this is close to SQLite's own default of one checkpoint per 1 000 log pages.
@@ -65,9 +75,15 @@ class Checkpointer:
     """The checkpoint thread of one engine's SQLite file; it runs while a connection is open."""
 
     def __init__(
-        self, path: str, *, every_commits: int = EVERY_COMMITS, idle_seconds: float = IDLE_SECONDS
+        self,
+        path: str,
+        *,
+        every_commits: int = EVERY_COMMITS,
+        idle_seconds: float = IDLE_SECONDS,
+        warn: Warn = _unreported,
     ) -> None:
         self._path = path
+        self._warn = warn
         self._every = every_commits
         self._idle = idle_seconds
         self._lock = threading.Lock()
@@ -137,7 +153,7 @@ class Checkpointer:
             conn.execute(_PASSIVE).fetchall()
         except sqlite3.Error as exc:
             self.failures += 1
-            log.warning("sqlite catch-up checkpoint failed", error=str(exc))
+            self._warn("sqlite catch-up checkpoint failed", str(exc))
 
     def _run(self, stop: threading.Event) -> None:
         conn: sqlite3.Connection | None = None
@@ -158,7 +174,7 @@ class Checkpointer:
                     self.checkpoint(conn)
                 except sqlite3.Error as exc:
                     self.failures += 1
-                    log.warning("sqlite checkpoint failed", error=str(exc))
+                    self._warn("sqlite checkpoint failed", str(exc))
         finally:
             if conn is not None:
                 conn.close()

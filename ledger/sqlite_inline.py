@@ -45,9 +45,12 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+import structlog
+
 from ledger.sqlite_checkpointer import Checkpointer
 
 T = TypeVar("T")
+log = structlog.get_logger(__name__)
 
 #: SQLite's primary result code for "the lock is held by another connection".
 SQLITE_BUSY = 5
@@ -288,12 +291,20 @@ def others_ready() -> bool:
     return any(not handle.cancelled() for handle in ready)
 
 
+def _warn_checkpoint(what: str, error: str) -> None:
+    log.warning(what, error=error)
+
+
 def connector(path: str, *, busy_timeout_ms: int, synchronous: str) -> Callable[[], Any]:
     """An ``async_creator`` for :func:`sqlalchemy.ext.asyncio.create_async_engine`. The
     engine's connect listener still sets the pragmas; ``synchronous`` here only says whether
     a commit waits on the disk. Under ``NORMAL``/``OFF`` the engine's connections share one
     checkpoint thread (:mod:`ledger.sqlite_checkpointer` says why not under ``FULL``)."""
-    checkpointer = None if synchronous.upper() in {"FULL", "EXTRA"} else Checkpointer(path)
+    checkpointer = (
+        None
+        if synchronous.upper() in {"FULL", "EXTRA"}
+        else Checkpointer(path, warn=_warn_checkpoint)
+    )
 
     async def connect() -> InlineConnection:
         conn = sqlite3.connect(

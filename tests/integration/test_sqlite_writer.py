@@ -16,7 +16,9 @@ this mode can get wrong, checked in the database file itself where it matters:
 * a lone transaction commits in-process (no writer is even started), and ``close`` waits for
   the group in flight;
 * a writer that cannot run here (it ends before answering, twice) is given up, and the store
-  commits in-process from then on.
+  commits in-process from then on;
+* the writer's commits leave the WAL's checkpoints to a thread of the writer process (under
+  ``NORMAL``), which it loads by path as it is started (``python -I -S``, no packages).
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ import asyncio
 import os
 import signal
 import sqlite3
+import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -37,7 +41,7 @@ from sqlalchemy.exc import DBAPIError
 from ledger import definitions, dialects, events, transactions
 from ledger.errors import DuplicateKey, LeaseLost, StoreUnavailable
 from ledger.sqlite_writer import SILENT_DEATHS, WriterProcess, error_of
-from ledger.sqlite_writer_child import Writer, connect, describe
+from ledger.sqlite_writer_child import Writer, checkpointer_for, connect, describe
 from ledger.states import TxState
 from ledger.store import Chain, Store
 from tests.support.bare_store import DIGEST, SAGA, bare_store, insert_tx
@@ -208,6 +212,53 @@ def test_the_child_runs_each_member_in_a_savepoint_of_its_own(tmp_path: Path) ->
     assert rows == {"x": 2, "a": 1, "d": 1, "e": 2}
     # Writes run (2 + 2 + 2 + 1), a SAVEPOINT and a RELEASE per member, two ROLLBACK TOs.
     assert statements == 7 + 4 * 2 + 2
+
+
+def test_the_childs_commits_leave_checkpoints_to_a_thread(tmp_path: Path) -> None:
+    path = str(tmp_path / "c.db")
+    conn = connect(path, "NORMAL", 1000)
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("CREATE TABLE t (k INTEGER PRIMARY KEY, v TEXT NOT NULL)")
+    empty_file = os.path.getsize(path)  # the table's pages are in the log, not yet in the file
+    checkpointer = checkpointer_for(path, "NORMAL", every_commits=3, idle_seconds=60.0)
+    assert checkpointer is not None
+    writer = Writer(conn, checkpointer)
+    try:
+        assert conn.execute("PRAGMA wal_autocheckpoint").fetchone() == (0,)
+        insert = ["INSERT INTO t VALUES (?, ?)"]
+        for k in range(3):
+            _, failure, _ = writer.run(insert if k == 0 else [], [[(0, (k, "x" * 500), False, 1)]])
+            assert failure is None
+        deadline = time.monotonic() + 10
+        while not checkpointer.checkpoints and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert checkpointer.checkpoints >= 1 and checkpointer.failures == 0
+        # The thread's checkpoint copied the log into the database file.
+        assert os.path.getsize(path) > empty_file
+        thread = checkpointer.thread
+    finally:
+        writer.close()
+    assert thread is not None
+    thread.join(5)
+    assert not thread.is_alive()
+
+
+def test_under_full_the_childs_commits_checkpoint_as_sqlite_does(tmp_path: Path) -> None:
+    path = str(tmp_path / "f.db")
+    assert checkpointer_for(path, "FULL") is None
+    writer = Writer(connect(path, "FULL", 1000))
+    try:
+        assert writer.conn.execute("PRAGMA wal_autocheckpoint").fetchone() == (1000,)
+    finally:
+        writer.close()
+
+
+def test_the_child_loads_its_checkpointer_as_it_is_started(tmp_path: Path) -> None:
+    # Started as the store starts it (python -I -S, no site-packages, no package on the
+    # path), with nothing to do: it loads the checkpoint thread, starts it, and ends cleanly.
+    argv = WriterProcess(str(tmp_path / "s.db"), synchronous="NORMAL", busy_timeout_ms=1000)._argv
+    ended = subprocess.run(argv, input=b"", capture_output=True, timeout=60)
+    assert (ended.returncode, ended.stderr) == (0, b"")
 
 
 def test_a_childs_error_is_raised_again_as_sqlite_raised_it(tmp_path: Path) -> None:
