@@ -26,8 +26,8 @@ moment never came: the log grew by about 40 KB a saga for as long as the stream 
 (476 MB after 12 000 sagas in the bench), every commit appending to new blocks of an ever
 larger file. So the thread notes a checkpoint that copied the whole log, and the writer's
 next commit copies, on its own connection, the few pages it committed since
-(:meth:`Checkpointer.catch_up`, called by :mod:`ledger.sqlite_inline` after every writing
-commit), and the write transaction after it starts the log again. That catch-up is a PASSIVE
+(:meth:`Checkpointer.catch_up`, from :meth:`Checkpointer.after_commit`, which the writing
+connections call after every commit), and the write transaction after it starts the log again. That catch-up is a PASSIVE
 checkpoint of a few dozen pages, but it syncs the log and the database file as every
 checkpoint does (3 to 7 ms, measured): once per thread checkpoint, so about once per hundred
 commits under load. A store that paused needs none (its log started again by itself) and pays
@@ -53,6 +53,7 @@ from __future__ import annotations
 import sqlite3
 import threading
 from collections.abc import Callable
+from typing import Any
 
 #: How a failed checkpoint is reported: ``warn(what, error)``.
 Warn = Callable[[str, str], None]
@@ -69,6 +70,15 @@ EVERY_COMMITS = 100
 IDLE_SECONDS = 1.0
 #: Copies what no reader still needs; never waits for, never blocks a reader or a writer.
 _PASSIVE = "PRAGMA wal_checkpoint(PASSIVE)"
+
+
+def for_synchronous(path: str, synchronous: str, **options: Any) -> Checkpointer | None:
+    """The checkpoint thread's keeper for ``path`` under this ``synchronous`` (``options``: the
+    :class:`Checkpointer`'s), or ``None`` under ``FULL``/``EXTRA``, where SQLite's own
+    auto-checkpoint stays (the module doc says why)."""
+    if synchronous.upper() in {"FULL", "EXTRA"}:
+        return None
+    return Checkpointer(path, **options)
 
 
 class Checkpointer:
@@ -100,6 +110,18 @@ class Checkpointer:
         # commit (see the module's doc). A plain flag: one thread sets it, the loop takes it,
         # and a pass that sets it again between the two is only taken at the next commit.
         self._copied_all = False
+
+    def take_over(self, conn: sqlite3.Connection) -> None:
+        """``conn``'s commits stop checkpointing (``wal_autocheckpoint=0``); this thread does
+        it for them (and runs while ``conn`` is open: :meth:`detach` when it closes)."""
+        conn.execute("PRAGMA wal_autocheckpoint=0")
+        self.attach()
+
+    def after_commit(self, conn: sqlite3.Connection) -> None:
+        """A writing commit on ``conn``, one :meth:`take_over` gave this thread: count it, and
+        catch up if the log may start again (:meth:`catch_up`)."""
+        self.note_commit()
+        self.catch_up(conn)
 
     def attach(self) -> None:
         """A connection opened: make sure the thread runs."""

@@ -47,7 +47,7 @@ from typing import Any, TypeVar
 
 import structlog
 
-from ledger.sqlite_checkpointer import Checkpointer
+from ledger.sqlite_checkpointer import Checkpointer, for_synchronous
 
 T = TypeVar("T")
 log = structlog.get_logger(__name__)
@@ -142,8 +142,7 @@ class InlineConnection:
         #: Runs the WAL checkpoints this connection's commits no longer run themselves.
         self.checkpointer = checkpointer
         if checkpointer is not None:
-            conn.execute("PRAGMA wal_autocheckpoint=0")
-            checkpointer.attach()
+            checkpointer.take_over(conn)
         self._busy_timeout_ms = int(busy_timeout_ms)
         # In WAL mode only FULL and EXTRA fsync at every commit.
         self._syncs_on_commit = synchronous.upper() in {"FULL", "EXTRA"}
@@ -241,8 +240,7 @@ class InlineConnection:
             return
         await self._write_commit(commit, *args)
         if self.checkpointer is not None:
-            self.checkpointer.note_commit()
-            self.checkpointer.catch_up(self._conn)
+            self.checkpointer.after_commit(self._conn)
 
     async def _write_commit(self, commit: Callable[..., Any], *args: Any) -> None:
         if self._syncs_on_commit and others_ready():
@@ -300,11 +298,7 @@ def connector(path: str, *, busy_timeout_ms: int, synchronous: str) -> Callable[
     engine's connect listener still sets the pragmas; ``synchronous`` here only says whether
     a commit waits on the disk. Under ``NORMAL``/``OFF`` the engine's connections share one
     checkpoint thread (:mod:`ledger.sqlite_checkpointer` says why not under ``FULL``)."""
-    checkpointer = (
-        None
-        if synchronous.upper() in {"FULL", "EXTRA"}
-        else Checkpointer(path, warn=_warn_checkpoint)
-    )
+    checkpointer = for_synchronous(path, synchronous, warn=_warn_checkpoint)
 
     async def connect() -> InlineConnection:
         conn = sqlite3.connect(

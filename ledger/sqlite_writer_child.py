@@ -105,18 +105,18 @@ def connect(path: str, synchronous: str, busy_timeout_ms: int) -> sqlite3.Connec
 
 
 def checkpointer_for(path: str, synchronous: str, **options: Any) -> Checkpointer | None:
-    """The checkpoint thread's keeper for ``path`` (``options``: the ``Checkpointer``'s), or
-    ``None`` under ``FULL``/``EXTRA``, where SQLite's auto-checkpoint stays (see the module
-    doc). The class comes from ``sqlite_checkpointer.py`` beside this file, loaded by its path:
-    this process has no ``ledger`` package to import it from."""
-    if synchronous.upper() in {"FULL", "EXTRA"}:
-        return None
+    """The engine's rule for a connection's checkpoints
+    (:func:`ledger.sqlite_checkpointer.for_synchronous`: a thread under ``NORMAL``/``OFF``,
+    ``None`` under ``FULL``/``EXTRA``), from ``sqlite_checkpointer.py`` beside this file, loaded
+    by its path: this process has no ``ledger`` package to import it from."""
     where = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sqlite_checkpointer.py")
     spec = importlib.util.spec_from_file_location("agent_txn_sqlite_checkpointer", where)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    checkpointer: Checkpointer = module.Checkpointer(path, warn=_warn, **options)
+    checkpointer: Checkpointer | None = module.for_synchronous(
+        path, synchronous, warn=_warn, **options
+    )
     return checkpointer
 
 
@@ -137,8 +137,7 @@ class Writer:
         self.sql: list[str] = []
         self.checkpointer = checkpointer
         if checkpointer is not None:
-            conn.execute("PRAGMA wal_autocheckpoint=0")
-            checkpointer.attach()
+            checkpointer.take_over(conn)
 
     def close(self) -> None:
         """Stop the checkpoint thread (it finishes what it is doing) and close the
@@ -181,8 +180,7 @@ class Writer:
                 self.conn.rollback()
             return outcomes, describe(exc), statements
         if self.checkpointer is not None:
-            self.checkpointer.note_commit()
-            self.checkpointer.catch_up(self.conn)
+            self.checkpointer.after_commit(self.conn)
         return outcomes, None, statements
 
     def _member(self, writes: list[Any]) -> int:
