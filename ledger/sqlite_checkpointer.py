@@ -20,20 +20,20 @@ fsync running beside it queue ahead of those waits: measured, sequential sagas u
 ran 12 % slower with the thread (``docs/benchmarks.md``), so there SQLite's auto-checkpoint stays.
 
 **Starting the log again.** SQLite writes the log from its beginning again only when a write
-transaction begins with *all* of it copied. The thread's checkpoint copies all of it, but under
-a steady stream of commits the writer has committed again before the thread is done, so that
-moment never came: the log grew by about 40 KB a saga for as long as the stream lasted
-(476 MB after 12 000 sagas in the bench), every commit appending to new blocks of an ever
-larger file. So the thread notes a checkpoint that copied the whole log, and the writer's
-next commit copies, on its own connection, the few pages it committed since
-(:meth:`Checkpointer.catch_up`, from :meth:`Checkpointer.after_commit`, which the writing
-connections call after every commit), and the write transaction after it starts the log again. That catch-up is a PASSIVE
-checkpoint of a few dozen pages, but it syncs the log and the database file as every
-checkpoint does (3 to 7 ms, measured): once per thread checkpoint, so about once per hundred
-commits under load. A store that paused needs none (its log started again by itself) and pays
-one anyway, at the first commit after the pause: a few pages, once per quiet spell. The log
-then stays at about the size of one checkpoint interval (16 to 17 MB in the bench) instead of
-growing for as long as the load lasts (``docs/benchmarks.md``, item 54).
+transaction begins with *all* of it copied. The thread's checkpoint copies all of it, but under a
+steady stream of commits the writer has committed again before the thread is done, so that moment
+never came: the log grew by about 40 KB a saga for as long as the stream lasted (476 MB after 12 000
+sagas in the bench), every commit appending to new blocks of an ever larger file. So the thread
+notes a checkpoint that copied the whole log, and the writer's next commit copies, on its own
+connection, the few pages it committed since (:meth:`Checkpointer.catch_up`, from
+:meth:`Checkpointer.after_commit`, which the writing connections call after every commit), and the
+write transaction after it starts the log again. That catch-up is a PASSIVE checkpoint of a few
+dozen pages, but it syncs the log and the database file as every checkpoint does (3 to 7 ms,
+measured): once per thread checkpoint, so about once per hundred commits under load. A store that
+paused needs none (its log started again by itself) and pays one anyway, at the first commit after
+the pause: a few pages, once per quiet spell. The log then stays at about the size of one checkpoint
+interval (16 to 17 MB in the bench) instead of growing for as long as the load lasts
+(``docs/benchmarks.md``, item 54).
 
 The durability rules are SQLite's own and unchanged: a commit is durable when it is in the log
 (fsynced under ``FULL``); a checkpoint only moves durable pages into the database file, and
