@@ -52,15 +52,17 @@ class EngineSettings(BaseModel):
     #: PostgreSQL: concurrent transactions that end with the same statement share a commit; with
     #: this on, they leave in two cohorts of half the open transactions each, so that one runs
     #: on the server while this process works on the other (``ledger/grouped.py``): +14 to 26 %
-    #: sagas/s at 16 in flight, for a process driving sagas as they come (``docs/benchmarks.md``,
-    #: item 39). A worker process (``agent-txn worker``) turns it off unless set: it claims
-    #: sagas in batches when half its slots are free, and half-size cohorts halve its batches.
+    #: sagas/s at 16 in flight, for a process driving sagas as they come
+    #: (``docs/benchmarks-log.md``, item 39). A worker process (``agent-txn worker``) turns it
+    #: off unless set: it claims sagas in batches when half its slots are free, and half-size
+    #: cohorts halve its batches.
     pg_commit_cohorts: bool = True
     #: SQLite (a plain file): where groups of concurrent transactions commit. ``process``: in
-    #: a writer process of the store's own, on another core, while this process goes on with
-    #: its other sagas (``ledger/sqlite_writer.py``); a transaction alone, and one that needs
-    #: more than blind writes, still commits here. ``inline``: on the event loop. ``None``:
-    #: the store's default (:data:`ledger.store.DEFAULT_SQLITE_WRITER`).
+    #: a writer process of the store's own, started with the first group, on another core,
+    #: while this process goes on with its other sagas (``ledger/sqlite_writer.py``); a
+    #: transaction alone, and one that needs more than blind writes, still commits here.
+    #: ``inline``: on the event loop, for a process that must not start another. ``None``: the
+    #: store's default (:data:`ledger.store.DEFAULT_SQLITE_WRITER`, ``process``).
     sqlite_writer: SqliteWriter | None = None
 
     @property

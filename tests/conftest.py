@@ -54,18 +54,20 @@ MAX_PENDING_DROPS = 20
 
 
 #: Where SQLite stores commit their groups in this run (``ledger.store.DEFAULT_SQLITE_WRITER``):
-#: ``inline`` (the default) or ``process``. ``.ci/run`` runs the SQLite tests once with each.
-SQLITE_WRITER = os.environ.get("AGENT_TXN_TEST_SQLITE_WRITER", "inline")
+#: ``inline`` or ``process``; unset, the library's default (``process``). ``.ci/run`` runs the
+#: SQLite tests once with each. Subprocesses the tests start (the CLI, workers) keep the default.
+SQLITE_WRITER = os.environ.get("AGENT_TXN_TEST_SQLITE_WRITER")
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    if SQLITE_WRITER not in ("inline", "process"):
+    if SQLITE_WRITER not in (None, "inline", "process"):
         raise pytest.UsageError(
             f"AGENT_TXN_TEST_SQLITE_WRITER must be inline or process, not {SQLITE_WRITER!r}"
         )
     import ledger.store
 
-    ledger.store.DEFAULT_SQLITE_WRITER = SQLITE_WRITER  # type: ignore[assignment]
+    if SQLITE_WRITER is not None:
+        ledger.store.DEFAULT_SQLITE_WRITER = SQLITE_WRITER  # type: ignore[assignment]
     config.addinivalue_line(
         "markers",
         "empty_databases: db_urls gives empty PostgreSQL databases, not migrated template copies",

@@ -1,9 +1,9 @@
 """The SQLite writer process (ledger/sqlite_writer.py, Store._shipped).
 
 SQLite only: the writer process is how a SQLite store commits groups of concurrent
-transactions when ``sqlite_writer="process"`` (PostgreSQL batches its own, ledger/grouped.py).
-The whole suite also runs with the writer process as the SQLite default
-(``AGENT_TXN_TEST_SQLITE_WRITER=process``, as ``.ci/run`` does); these tests pin what only
+transactions (``sqlite_writer="process"``, the default; PostgreSQL batches its own,
+ledger/grouped.py). The whole suite runs with it, and ``.ci/run`` runs the SQLite tests once
+more with ``inline`` (``AGENT_TXN_TEST_SQLITE_WRITER=inline``); these tests pin what only
 this mode can get wrong, checked in the database file itself where it matters:
 
 * a group's members sharing one commit in the writer, each with its own outcome: a member
