@@ -2,7 +2,7 @@
 
 Why: two machines of one description (2 cores, 24 GiB) do not give one ratio. On 2026-12-04
 the same engine's SQLite verdict against DBOS at C = 16 was 9.80x on one machine and 10.55x on
-another a few hours later, an Intel Xeon (``docs/benchmarks.md``; the first one's processor was
+another a few hours later, an Intel Xeon (``docs/benchmarks-log.md``; the first one's processor was
 not recorded): the two engines' CPU per saga does not scale alike across processors. A result
 is comparable with another only when both say where they were measured, so every run of
 ``agent-txn bench`` prints this and ``--json`` keeps it under ``environment``.

@@ -13,7 +13,7 @@ loop, no DBOS), so that::
         python -m fault_injection.bench_steady 200 16 [sqlite|postgres URL]
 
 minus the same with ``N = 0``, divided by N, is the engine's instructions per saga (kernel
-time, such as the WAL's writes, is not counted: read it with the bench). ``docs/benchmarks.md``
+time, such as the WAL's writes, is not counted: read it with the bench). ``docs/benchmarks-log.md``
 ("Counting instructions") has the figures and the commands. ``--no-drain`` leaves the drain out.
 """
 

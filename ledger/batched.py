@@ -2,7 +2,7 @@
 
 Why: on PostgreSQL the engine's cost per saga is round trips, not SQL. A saga's four local
 transactions ran 13 statements plus a ``BEGIN`` and a ``COMMIT`` each — 21 round trips, and two
-thirds of the client's samples sat in the socket writes (``docs/benchmarks.md``). Most of those
+thirds of the client's samples sat in the socket writes (``docs/benchmarks-log.md``). Most of those
 statements are *blind* writes: their only outcome is success, a constraint error, or — for a
 fenced update — "no row matched" (the lease is lost). Nothing in the transaction reads their
 result. So :class:`~ledger.store.Work` holds them back and sends them, with the transaction's
@@ -192,7 +192,7 @@ def lease_lost_in(exc: BaseException, writes: Sequence[PendingWrite]) -> LeaseLo
 # but the server still ran the combined statement once per member, each time with its own
 # Bind, portal, executor start-up (ExecInitNode over every CTE's plan) and end. For sixteen
 # members of the outbox's "confirm and log" statement that per-execution work was 43 % of the
-# server's CPU (docs/benchmarks.md, item 48). The batch statement runs the same writes for
+# server's CPU (docs/benchmarks-log.md, item 48). The batch statement runs the same writes for
 # every member in one execution. Its one argument is a JSON array with one element per member,
 # that member's arguments (``[[a1, a2, …], [b1, b2, …]]``); ``jsonb_array_elements`` turns it
 # back into one row per member, and each placeholder ``$k::TYPE`` of the combined statement

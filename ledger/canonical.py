@@ -29,7 +29,7 @@ def _prebuilt(
     ``json.dumps`` (and ``JSONEncoder.encode``) builds a fresh C encoder on every call, with a
     dict for cycle detection; for the small values the engine encodes (about fifty per saga:
     ledger details and chain links, fingerprints, JSON columns) that set-up was most of the
-    cost (``docs/benchmarks.md``, item 28). This one builds the C encoder once, without the
+    cost (``docs/benchmarks-log.md``, item 28). This one builds the C encoder once, without the
     cycle dict, so it holds no state between calls and may be shared by threads. A value the
     C encoder recurses on without end (a cycle, or nesting deeper than the interpreter's limit)
     is handed to the reference encoder, which raises what ``json.dumps`` raises for it."""
@@ -79,7 +79,7 @@ def canonical_json(value: Any) -> str:
 #: ``hashlib.sha256()`` looks the digest up in OpenSSL 3's provider registry on every call
 #: (a global lock and a name lookup); copying a state skips that. A saga takes about twenty
 #: digests (its ledger rows' links, its keys and fingerprints): 1.8 µs each measured inside
-#: the bench's run, 1.4 to 1.5 µs from a copy (``docs/benchmarks.md``, item 49). ``copy()``
+#: the bench's run, 1.4 to 1.5 µs from a copy (``docs/benchmarks-log.md``, item 49). ``copy()``
 #: holds the object's own lock, so threads may share it.
 _SHA256 = hashlib.sha256()
 

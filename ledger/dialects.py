@@ -220,7 +220,7 @@ def _sqlite_engine(url: str, synchronous: str, busy_timeout_ms: int) -> AsyncEng
         cursor.execute("PRAGMA foreign_keys=ON")
         # The journals of savepoints and statements in memory: SQLite spills them to a file
         # past 64 KiB, and a commit group's members (one SAVEPOINT each) went past it, so a
-        # saga wrote ~84 KB to temporary files it then threw away (docs/benchmarks.md item 41).
+        # saga wrote ~84 KB to temporary files it then threw away (docs/benchmarks-log.md item 41).
         cursor.execute("PRAGMA temp_store=MEMORY")
         cursor.close()
 

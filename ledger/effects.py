@@ -288,7 +288,7 @@ def _tx_fence_holds(table: Table) -> ColumnElement[bool]:
     that moment. Planned on a young database (or one never analyzed) it joined a *sequential
     scan* of ``transactions``, kept for the connection's life, so every claim read the whole
     table: the bench's throughput fell with N and its server CPU per saga grew (measured in
-    ``docs/benchmarks.md``, item 32). Keyed by ``p_tx_id``, the lookup is an ``InitPlan`` on the
+    ``docs/benchmarks-log.md``, item 32). Keyed by ``p_tx_id``, the lookup is an ``InitPlan`` on the
     primary key in every plan; ``table.tx_id = p_tx_id`` keeps the check exactly what the
     correlated one said."""
     tx_id = bindparam("p_tx_id", type_=String)

@@ -5,7 +5,7 @@ Why: a saga's driver keeps its effects as frozen :class:`~ledger.effects.Effect`
 rebuilds one on every recorded outcome (about five per saga); ``dataclasses.replace`` on its 22
 fields took 5.1 µs — it walks the fields, builds a keyword dict and calls the frozen
 ``__init__``, which sets each field through ``object.__setattr__`` by name — about 3 % of a
-saga's client CPU on SQLite (``docs/benchmarks.md``, item 37). The function built here copies
+saga's client CPU on SQLite (``docs/benchmarks-log.md``, item 37). The function built here copies
 each slot straight across, with only the changed ones taken from the keywords. It gives what
 ``dataclasses.replace`` gives for the classes it accepts: frozen, slotted dataclasses whose
 fields are all set by ``__init__`` and that have no ``__post_init__`` (checked once, when the
@@ -18,7 +18,7 @@ lookup and a by-name search of the class's MRO per field — because its own ``_
 refuses. A saga builds about fifteen such records (its effects, claims, decisions: some 165
 fields in all), and the dataclasses' generated ``__init__`` methods were 2.5 % of the bench's
 samples of their own, next after SQLite's statements and commits and the JSON encoder
-(``docs/benchmarks.md``, item 57).
+(``docs/benchmarks-log.md``, item 57).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Why: on PostgreSQL each happy-path local transaction is already one statement sent without
 ``BEGIN`` (:mod:`ledger.batched`), and what is left of the engine's client CPU per saga is
 mostly the socket write and the driver's per-call work around those four statements
-(``docs/benchmarks.md``). Sagas in flight together produce many such statements at once, and
+(``docs/benchmarks-log.md``). Sagas in flight together produce many such statements at once, and
 those of the same transition (say, "record a step, claim the next") have the same SQL text. So
 when a statement's shape is already on its way to the server, the transactions that end with
 the same shape wait for it and are then sent together: as one execution of the statement's
@@ -35,7 +35,7 @@ connection. A member cancelled while queued leaves the queue; one cancelled just
 was handed to it passes it on.
 
 **Two cohorts, not one convoy.** With that rule alone, sagas in flight together move as one
-convoy (``docs/benchmarks.md``, "Where a PostgreSQL saga's time goes"): the first statement of a
+convoy (``docs/benchmarks-log.md``, "Where a PostgreSQL saga's time goes"): the first statement of a
 stage goes alone, every other saga's queues behind it, and the batch then runs on the server
 while the client waits, after which the client runs every member's continuation while the server
 waits. Throughput is then one saga per *client + server* time, with both cores half idle. So
@@ -189,12 +189,12 @@ class GroupSender:
         member's task runs and sends it, and with many sagas in flight a turn is long; the
         leader's connection is free and the leader is running now. The queue then leaves at once,
         and in a larger batch, which on PostgreSQL costs less of both sides' CPU per member than
-        several smaller ones (``docs/benchmarks.md``, item 36). Once only: whatever queues during
-        this batch is handed off as before, so a leader waits at most one extra round trip — its
-        own writes are already committed. If this batch's outcome is unknown (the connection
-        failed, or the leader was cancelled), the members fail as unavailable and the leader
-        raises too: its own commit is durable, and reporting it as unknown is the conservative
-        answer that recovery settles by reading it back."""
+        several smaller ones (``docs/benchmarks-log.md``, item 36). Once only: whatever queues
+        during this batch is handed off as before, so a leader waits at most one extra round
+        trip — its own writes are already committed. If this batch's outcome is unknown (the
+        connection failed, or the leader was cancelled), the members fail as unavailable and the
+        leader raises too: its own commit is durable, and reporting it as unknown is the
+        conservative answer that recovery settles by reading it back."""
         queued = [m for m in shape.waiting if not m.woken.done()]
         shape.waiting = []
         if queued:

@@ -5,7 +5,7 @@ result set-up, events, the greenlet hop into the async adapter) costs about 25 �
 per statement on SQLite and 35 µs on top of asyncpg's own work on PostgreSQL here, while the
 statement itself (an ``UPDATE`` by primary key, or a row appended, on a SQLite file whose write
 lock is held) costs 1 to 5 µs. A saga runs about a dozen such statements, so that layer was a
-third of the engine's CPU per saga on SQLite (``docs/benchmarks.md``).
+third of the engine's CPU per saga on SQLite (``docs/benchmarks-log.md``).
 
 What stays exactly as through SQLAlchemy: the SQL text, the positional parameter order, the bind
 processors of every typed column (JSON) and the constants bound inside the statement all come
@@ -79,7 +79,7 @@ def _builder(
 
     Why: a saga binds about twenty rows (ledger rows of 9 columns, effect rows of up to 25),
     and walking the slots in a Python loop per row (unpack, test, append, then ``tuple()``)
-    cost 1.1 % of its client instructions on SQLite (``docs/benchmarks.md``, item 38). The
+    cost 1.1 % of its client instructions on SQLite (``docs/benchmarks-log.md``, item 38). The
     generated expression does per position only what that position needs: a subscript, a
     processor call, or a constant. Keys are embedded with ``repr`` (a Python string literal,
     whatever the bind's name); processors and constants are passed in by name, never as

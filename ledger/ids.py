@@ -14,7 +14,7 @@ The layout is UUIDv7's (RFC 9562, section 5.7), written as 32 lowercase hex digi
 (``10``), 62 random bits. 74 random bits per millisecond keep a collision out of reach, and
 the primary keys refuse one anyway. The id tells the time it was minted (as the row's
 ``created_at`` already does); ids that must not (approval handles) stay ``uuid4``.
-Measured in ``docs/benchmarks.md`` (item 40)."""
+Measured in ``docs/benchmarks-log.md`` (item 40)."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ Why: the last write of a happy saga, "the outbox event was delivered", is the on
 which nothing is sent. Everything else the engine writes is an intent or an outcome that the
 next call depends on, so it must be durable first (DESIGN "Effect protocol"); this one only
 settles a fact the provider already holds. Giving it a transaction of its own was a quarter of a
-sequential saga's commits and about 8 % of its client instructions (``docs/benchmarks.md``,
+sequential saga's commits and about 8 % of its client instructions (``docs/benchmarks-log.md``,
 item 55). So it *rides*: :meth:`Riders.add` queues it, and the next transaction that ends on the
 store (any saga's, or the flush one loop turn later when none comes, or a read, or ``close``)
 writes it with its own writes, in the same commit.

@@ -81,7 +81,7 @@ def one_of_literals(column: ColumnElement[str], values: Iterable[StrEnum]) -> Co
 
     Equalities: SQLite evaluates a partial index's condition on every write of the table, and
     an ``IN`` list of constants there builds a temporary b-tree each time — about 10 µs per
-    insert-and-update of a row here, three times the row's own cost (``docs/benchmarks.md``,
+    insert-and-update of a row here, three times the row's own cost (``docs/benchmarks-log.md``,
     item 34); the same set as ``OR``-ed equalities costs next to nothing. PostgreSQL plans both
     alike."""
     ordered = sorted(values)

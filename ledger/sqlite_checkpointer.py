@@ -17,7 +17,8 @@ the next write once all of it was copied.
 Only under ``synchronous=NORMAL``/``OFF``, where a commit appends to the log without an fsync.
 Under ``FULL``/``EXTRA`` every commit already waits for the disk, and a checkpoint's writes and
 fsync running beside it queue ahead of those waits: measured, sequential sagas under ``FULL``
-ran 12 % slower with the thread (``docs/benchmarks.md``), so there SQLite's auto-checkpoint stays.
+ran 12 % slower with the thread (``docs/benchmarks-log.md``), so there SQLite's auto-checkpoint
+stays.
 
 **Starting the log again.** SQLite writes the log from its beginning again only when a write
 transaction begins with *all* of it copied. The thread's checkpoint copies all of it, but under a
@@ -33,7 +34,7 @@ measured): once per thread checkpoint, so about once per hundred commits under l
 paused needs none (its log started again by itself) and pays one anyway, at the first commit after
 the pause: a few pages, once per quiet spell. The log then stays at about the size of one checkpoint
 interval (16 to 17 MB in the bench) instead of growing for as long as the load lasts
-(``docs/benchmarks.md``, item 54).
+(``docs/benchmarks-log.md``, item 54).
 
 The durability rules are SQLite's own and unchanged: a commit is durable when it is in the log
 (fsynced under ``FULL``); a checkpoint only moves durable pages into the database file, and

@@ -17,7 +17,7 @@ What still goes to a thread, because it can *wait*:
   to run: the fsync-class wait then overlaps their work. With
   nothing else ready — a saga run alone, a quiet moment — the commit runs on the loop: the
   thread would hand the same wait back at about 0.2 ms of client CPU per hop, three quarters
-  of a sequential saga's overhead under FULL (``docs/benchmarks.md``). The cost of that choice
+  of a sequential saga's overhead under FULL (``docs/benchmarks-log.md``). The cost of that choice
   is that I/O arriving during the fsync waits for it. Under ``NORMAL``/``OFF`` a WAL commit
   appends without an fsync and stays on the loop, and no commit runs a WAL checkpoint
   (SQLite's auto-checkpoint, every ~1 000 log pages, is off): a thread of the engine's does

@@ -7,7 +7,7 @@ engine's start-up (SQLAlchemy included) for nothing.
 
 Why a process: a commit group's SQLite work (its statements' C, the WAL's frame writes and
 their system calls) ran on the event loop's thread and took about a fifth of a saga's time at
-sixteen sagas in flight (``docs/benchmarks.md``). A thread cannot take it: the GIL is needed
+sixteen sagas in flight (``docs/benchmarks-log.md``). A thread cannot take it: the GIL is needed
 between every two statements, and a busy event loop hands it over only every switch interval.
 Here it runs on the other core while the loop builds the next group.
 
@@ -39,7 +39,7 @@ loaded from its file: it needs only the standard library), under ``NORMAL``/``OF
 engine's own connections. The writer's connection does not auto-checkpoint: one commit in a
 few dozen groups then copied a thousand pages and synced the database file (p99 of a group 25 ms
 against a p50 of 1.4, 38 groups in 1 228 holding 0.9 s of the writer's 2.5), while the groups
-behind it, and the sagas waiting for them, stood still (``docs/benchmarks.md``, item 60). Under
+behind it, and the sagas waiting for them, stood still (``docs/benchmarks-log.md``, item 60). Under
 ``FULL`` SQLite's auto-checkpoint stays, as it does there.
 """
 

@@ -9,7 +9,7 @@ overwrite.
 The hot path (a saga's writes and ledger rows) reads a member's string as ``member._value_``,
 the attribute :mod:`enum` stores it in, rather than ``member.value``: on Python 3.11 ``.value``
 is a descriptor written in Python, about 0.25 µs a read, and a saga read it some 60 times
-(``docs/benchmarks.md``, item 43). Both give the same ``str``.
+(``docs/benchmarks-log.md``, item 43). Both give the same ``str``.
 """
 
 from __future__ import annotations

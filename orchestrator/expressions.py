@@ -836,7 +836,7 @@ def _compiled_ref(ref_path: str, arg_path: str, path: str) -> _Compiled:
 
     Why: a saga resolves about seven references, and ``_op_ref`` split the path and asked
     ``isinstance(…, Mapping)`` (an ABC check) per segment: 1.7 % of a saga's samples on SQLite
-    (``docs/benchmarks.md``, item 43)."""
+    (``docs/benchmarks-log.md``, item 43)."""
     segments = tuple(ref_path.split("."))
 
     def resolve(scope: _Scope) -> object:

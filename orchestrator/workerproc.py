@@ -59,7 +59,7 @@ def worker_settings(settings: EngineSettings, concurrency: int) -> EngineSetting
     * Grouped commits in one cohort, unless the caller set ``pg_commit_cohorts``: a worker
       claims sagas when half its slots are free, so two half-size cohorts would halve every
       claim pass (about eight statements whatever it claims) and double their number —
-      measured 5 to 20 % fewer sagas/s in worker processes (``docs/benchmarks.md``, item 39)."""
+      measured 5 to 20 % fewer sagas/s in worker processes (``docs/benchmarks-log.md``, item 39)."""
     update: dict[str, object] = {}
     needed = concurrency + WORKER_OWN_CONNECTIONS
     if settings.pg_pool_size < needed:

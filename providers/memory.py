@@ -55,7 +55,7 @@ def _new_id(prefix: str) -> str:
 
     From :mod:`random`'s generator (seeded from the OS, and afresh in a forked child), not
     ``os.urandom``: an in-memory provider's ids need to be unique, not unguessable, and the
-    system call was 1.2 % of a saga's samples through this provider (``docs/benchmarks.md``,
+    system call was 1.2 % of a saga's samples through this provider (``docs/benchmarks-log.md``,
     item 43)."""
     return f"{prefix}_{getrandbits(80):020x}"
 

@@ -305,7 +305,7 @@ async def test_ledger_is_append_only_and_tamper_evident(world: World) -> None:
 
 async def test_transaction_ids_are_uuid7_and_grow_with_time(world: World) -> None:
     # Time-ordered ids keep a saga's index entries beside those of the sagas before it
-    # (ledger/ids.py; docs/benchmarks.md item 40).
+    # (ledger/ids.py; docs/benchmarks-log.md item 40).
     saga = order_saga()
     await world.orch.register(saga)
     tx_ids = []

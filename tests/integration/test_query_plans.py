@@ -7,7 +7,7 @@ PostgreSQL the trap is the *generic* plan a prepared statement settles on after 
 executions: made once, from the table sizes of that moment, and kept. A correlated
 ``EXISTS`` on ``transactions`` was such a statement: planned on a young database it joined a
 sequential scan of ``transactions``, and every claim read the whole table from then on
-(``docs/benchmarks.md``, item 32).
+(``docs/benchmarks-log.md``, item 32).
 
 How: on PostgreSQL the store's database is set to ``plan_cache_mode = force_generic_plan`` (the
 plan from the first execution on is the one a long-lived connection would keep) and the
@@ -181,7 +181,7 @@ async def _check_postgres(db_urls: DbUrls, shop: FakeShop, monkeypatch: pytest.M
     # The heads of the claimed chains are read by key, one index step each, at any size. The
     # other reads of a claim pass (due work, the claimed rows by id) are planned as scans on a
     # database this young, which is right at its size; a generic plan made then is kept until
-    # the tables are analyzed (autovacuum's job; docs/benchmarks.md, item 33).
+    # the tables are analyzed (autovacuum's job; docs/benchmarks-log.md, item 33).
     assert scanned["ledger"] == 0
 
 

@@ -198,7 +198,7 @@ async def test_savepoint_and_statement_journals_stay_in_memory(
     store_at: tuple[Store, Path],
 ) -> None:
     # A commit group's members each write inside a SAVEPOINT; past 64 KiB SQLite spilled its
-    # journal to a temporary file on disk (docs/benchmarks.md item 41). 2 = MEMORY.
+    # journal to a temporary file on disk (docs/benchmarks-log.md item 41). 2 = MEMORY.
     store, _ = store_at
     async with store.transaction() as work:
         assert (await work.conn.execute(text("PRAGMA temp_store"))).scalar_one() == 2

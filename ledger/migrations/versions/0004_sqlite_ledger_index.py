@@ -8,7 +8,7 @@ On SQLite ``seq`` is the rowid, and every index entry already carries the rowid:
 ``(tx_id, prev_hash)`` index (the chain's fork guard) finds a transaction's rows and their
 ``seq`` without reading the table, so ``ix_ledger_tx_seq`` was a second copy of it. Every
 local transaction appends ledger rows, and each index a commit touches is one more page in
-the WAL: dropping it made a saga about 12 % cheaper in client CPU (``docs/benchmarks.md``).
+the WAL: dropping it made a saga about 12 % cheaper in client CPU (``docs/benchmarks-log.md``).
 
 PostgreSQL keeps the index: there a btree entry carries no ``seq``, and the index keeps the
 "newest row of one transaction" lookups (``ORDER BY seq DESC LIMIT 1``) independent of how the

@@ -16,13 +16,13 @@ Create Date: 2026-12-03
   'compensated'`` in place of ``status NOT IN ('failed', 'compensated')``. SQLite evaluates a
   partial index's condition on every write of the row, and a constant ``IN`` list there builds a
   temporary b-tree each time: about 10 µs per insert-and-update here, against 4 µs for the row
-  itself (``docs/benchmarks.md``, item 34). The new indexes are written with equalities for
+  itself (``docs/benchmarks-log.md``, item 34). The new indexes are written with equalities for
   the same reason.
 
 * SQLite: the ``CHECK`` constraints on ``transactions.status`` and on the effects' ``state``
   are rewritten from ``IN (…)`` to ``OR``-ed equalities, the same set. They are evaluated on
   every write of those rows, about a dozen per saga, and the ``IN`` list cost a temporary
-  b-tree each time: 7 % of a saga's instructions (``docs/benchmarks.md``, item 34). SQLite
+  b-tree each time: 7 % of a saga's instructions (``docs/benchmarks-log.md``, item 34). SQLite
   cannot alter a constraint, and rebuilding these tables would mean dropping ``transactions``
   under the foreign keys that point at it; the change leaves every stored byte as it is and
   accepts exactly the rows it accepted before, so it is made the way SQLite documents for such

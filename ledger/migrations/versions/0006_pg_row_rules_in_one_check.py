@@ -10,7 +10,7 @@ statement that writes a table reads every one of them back from its stored node 
 (``stringToNode``: each byte of each string constant is a token), plans and compiles it
 (``ExecRelCheck``). A saga's four statements write an effect table about six times and
 ``transactions`` twice, so the server did that for some 36 constraints per saga. Counted
-with callgrind on the server (``docs/benchmarks.md``, item 35): **1.46 M of the server's
+with callgrind on the server (``docs/benchmarks-log.md``, item 35): **1.46 M of the server's
 5.49 M instructions per saga**, more than all its index maintenance. A function call is a
 short node to read back, and PL/pgSQL keeps the function compiled for the session; with one
 such ``CHECK`` per table the server's instructions per saga fell by about a fifth.

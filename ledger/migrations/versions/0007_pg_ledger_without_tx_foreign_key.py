@@ -9,7 +9,7 @@ Why: on PostgreSQL a foreign key is a trigger that, for every row inserted, runs
 and a row lock on the transaction, which the same saga's next statement then updates. A saga
 appends thirteen ledger rows, so the server ran thirteen such checks per saga: the foreign
 keys' triggers were 13.3 % of the server's CPU at C = 16 (``perf`` on its backends,
-``docs/benchmarks.md``), and without this one the server spends about an eighth less per saga
+``docs/benchmarks-log.md``), and without this one the server spends about an eighth less per saga
 (item 44).
 
 What the key guarded still holds without it:
