@@ -11,8 +11,10 @@ One run, on one pair of databases (ours and, for ``--provider fake``, the shop's
    saga's work; latency is per ``execute`` call;
 3. the driver's small-commit rate on the *same* database with the *same* engine settings
    (:func:`ledger.dialects.create_engine`): tiny ``INSERT`` + commit transactions on a scratch
-   table for ``driver_seconds``. Measuring it in the same run is what makes ``efficiency``
-   meaningful: disks, servers and machines differ by multiples, the ratio much less;
+   table for ``driver_seconds``, then the bare driver's for as long
+   (:mod:`fault_injection.bench_driver`). Measuring them in the same run is what makes
+   ``efficiency`` meaningful: disks, servers and machines differ by multiples, the ratio much
+   less;
 4. the bench's own checker: the provider holds exactly one reserve, one charge and one email per
    saga (warm-up included), no reversal, and nothing is left in flight.
 
@@ -35,8 +37,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from sqlalchemy import BigInteger, Column, MetaData, String, Table
-
+from fault_injection.bench_driver import driver_commit_rate, measure_driver
 from fault_injection.harness import DatabasePair, fresh_databases
 from fault_injection.sagas import STOCK, order, order_saga
 from ledger import dialects
@@ -153,6 +154,9 @@ class BenchResult:
     #: Where the SQLite store committed its groups: ``inline`` or ``process`` (``None`` on
     #: PostgreSQL and where the engine ran in other processes).
     sqlite_writer: str | None = None
+    #: The bare driver's small commits per second (:func:`fault_injection.bench_driver.
+    #: raw_commit_rate`), on as many connections; ``None`` where it could not be measured.
+    raw_driver_commits_per_s: float | None = None
 
     def as_json(self) -> dict[str, Any]:
         """The report under stable keys (``--json``)."""
@@ -331,53 +335,6 @@ async def _run_sagas(
     return problems
 
 
-_scratch_meta = MetaData()
-_scratch = Table(
-    "bench_scratch",
-    _scratch_meta,
-    Column("id", BigInteger, primary_key=True, autoincrement=False),
-    Column("v", String(16), nullable=False),
-)
-
-
-async def driver_commit_rate(
-    url: str, *, seconds: float, connections: int, sqlite_synchronous: str = "FULL"
-) -> float:
-    """Small commits per second (one-row ``INSERT`` + commit each) through the engine settings
-    the store uses, on ``connections`` connections at once; the scratch table is dropped after."""
-    engine = dialects.create_engine(
-        url,
-        sqlite_synchronous=sqlite_synchronous,
-        pg_pool_size=max(dialects.PG_POOL_SIZE, connections),
-    )
-    try:
-        async with engine.begin() as conn:
-            await conn.run_sync(_scratch_meta.drop_all)
-            await conn.run_sync(_scratch_meta.create_all)
-        done = [0]
-        deadline = time.perf_counter() + seconds
-
-        async def loop(lane: int) -> None:
-            async with engine.connect() as conn:
-                i = 0
-                while time.perf_counter() < deadline:
-                    async with conn.begin():
-                        await conn.execute(_scratch.insert(), {"id": lane * 10**9 + i, "v": "x"})
-                    i += 1
-                    done[0] += 1
-
-        started = time.perf_counter()
-        async with asyncio.TaskGroup() as group:
-            for lane in range(connections):
-                group.create_task(loop(lane))
-        elapsed = time.perf_counter() - started
-        async with engine.begin() as conn:
-            await conn.run_sync(_scratch_meta.drop_all)
-        return done[0] / elapsed
-    finally:
-        await engine.dispose()
-
-
 async def _check(shop: Shop, orch: Orchestrator, expected: int) -> CheckOutcome:
     counts = await shop.counts()
     problems = [
@@ -462,7 +419,7 @@ async def _run_on(config: BenchConfig, urls: DatabasePair) -> BenchResult:
         # SQLite has one writer, so more connections only queue on its lock; on PostgreSQL the
         # loop runs as many connections as sagas were in flight.
         connections = 1 if urls.backend == "sqlite" else config.concurrency
-        driver = await driver_commit_rate(
+        driver = await measure_driver(
             urls.store,
             seconds=config.driver_seconds,
             connections=connections,
@@ -488,14 +445,15 @@ async def _run_on(config: BenchConfig, urls: DatabasePair) -> BenchResult:
         rollbacks_per_saga=(after.rollbacks - before.rollbacks) / n,
         cpu_ms_per_saga=cpu * 1000 / n,
         provider_calls_per_saga=provider_calls / n,
-        driver_commits_per_s=driver,
+        driver_commits_per_s=driver.engine,
         driver_connections=connections,
-        efficiency=sagas_per_s * commits_per_saga / driver if driver else 0.0,
+        efficiency=sagas_per_s * commits_per_saga / driver.engine if driver.engine else 0.0,
         elapsed_s=elapsed,
         check=check,
         mode="sequential" if config.concurrency == 1 else "concurrent",
         sqlite_synchronous=config.sqlite_synchronous if urls.backend == "sqlite" else None,
         sqlite_writer=orch.store.sqlite_writer if urls.backend == "sqlite" else None,
+        raw_driver_commits_per_s=driver.raw,
     )
 
 

@@ -77,6 +77,10 @@ def render(result: BenchResult, out: Console) -> None:
             f"driver commits/s ({result.driver_connections} conn)",
             _num(result.driver_commits_per_s, ",.0f"),
         ),
+        (
+            f"raw driver commits/s ({result.driver_connections} conn)",
+            _num(result.raw_driver_commits_per_s, ",.0f"),
+        ),
         ("efficiency", _num(result.efficiency, ".2f")),
     ]
     if result.prepare_s is not None:

@@ -53,9 +53,9 @@ from fault_injection.bench import (
     CheckOutcome,
     InstrumentedProvider,
     ProviderKind,
-    driver_commit_rate,
     open_shop,
 )
+from fault_injection.bench_driver import measure_driver
 from fault_injection.harness import DatabasePair
 from fault_injection.sagas import STOCK, order, order_saga
 from ledger import dialects
@@ -332,7 +332,7 @@ async def _run_workers(config: BenchConfig, urls: DatabasePair, workdir: Path) -
         connections = (
             1 if urls.backend == "sqlite" else min(w * config.concurrency, dialects.PG_POOL_SIZE)
         )
-        driver = await driver_commit_rate(
+        driver = await measure_driver(
             urls.store,
             seconds=config.driver_seconds,
             connections=connections,
@@ -360,9 +360,10 @@ async def _run_workers(config: BenchConfig, urls: DatabasePair, workdir: Path) -
         rollbacks_per_saga=rollbacks / n,
         cpu_ms_per_saga=cpu * 1000 / n,
         provider_calls_per_saga=sum(c.provider_calls for c in counts) / n,
-        driver_commits_per_s=driver,
+        driver_commits_per_s=driver.engine,
+        raw_driver_commits_per_s=driver.raw,
         driver_connections=connections,
-        efficiency=sagas_per_s * commits_per_saga / driver if driver else 0.0,
+        efficiency=sagas_per_s * commits_per_saga / driver.engine if driver.engine else 0.0,
         elapsed_s=elapsed,
         check=check,
         mode="workers",
@@ -486,7 +487,7 @@ async def run_recovery_bench(config: BenchConfig, urls: DatabasePair) -> BenchRe
         if urls.backend == "sqlite"
         else min(config.workers * config.concurrency, dialects.PG_POOL_SIZE)
     )
-    driver = await driver_commit_rate(
+    driver = await measure_driver(
         urls.store,
         seconds=config.driver_seconds,
         connections=connections,
@@ -507,7 +508,8 @@ async def run_recovery_bench(config: BenchConfig, urls: DatabasePair) -> BenchRe
         rollbacks_per_saga=None,
         cpu_ms_per_saga=cpu * 1000 / n,
         provider_calls_per_saga=None,
-        driver_commits_per_s=driver,
+        driver_commits_per_s=driver.engine,
+        raw_driver_commits_per_s=driver.raw,
         driver_connections=connections,
         efficiency=None,
         elapsed_s=report.seconds_to_settle,
