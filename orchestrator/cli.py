@@ -17,7 +17,7 @@ import json
 import os
 from collections.abc import Coroutine
 from pathlib import Path
-from typing import Annotated, Any, Final, NoReturn, TypeVar
+from typing import Annotated, Any, Final, NoReturn, TypeVar, cast
 
 import typer
 from rich import box
@@ -34,6 +34,7 @@ from ledger import dialects, migrate
 from ledger.errors import StorageError
 from ledger.schema import ledger as ledger_table
 from ledger.schema import transactions as transactions_table
+from ledger.store import SqliteWriter
 from orchestrator.demo import (
     DemoError,
     compact_json,
@@ -48,6 +49,7 @@ from orchestrator.logging import LEVELS, configure_logging, level_number
 from orchestrator.mcp_server import mcp as mcp_command
 from orchestrator.ops_cli import ops_app
 from orchestrator.principals_cli import principals_app
+from orchestrator.serve import SqliteWriterOption
 from orchestrator.serve import serve as serve_command
 
 T = TypeVar("T")
@@ -169,6 +171,16 @@ def _checked_url(url: str, option: str = "--db") -> str:
     except (ArgumentError, NoSuchModuleError, ValueError) as exc:
         raise CliFailure(f"{option}: {exc}") from None
     return normalized
+
+
+def _checked_sqlite_writer(value: str | None) -> SqliteWriter | None:
+    """``--sqlite-writer`` (or ``AGENT_TXN_SQLITE_WRITER``): ``None`` leaves the engine's
+    default."""
+    if value is None:
+        return None
+    if value not in ("inline", "process"):
+        raise CliFailure(f"--sqlite-writer must be inline or process, not {value!r}")
+    return cast(SqliteWriter, value)
 
 
 def _sqlite_path(url: str) -> Path | None:
@@ -592,6 +604,7 @@ def worker(
     metrics_port: Annotated[
         int | None, typer.Option(min=1, max=65535, help="Serve Prometheus /metrics here.")
     ] = None,
+    sqlite_writer: SqliteWriterOption = None,
 ) -> None:
     """Recovery loops: resume due transactions, compensate, dispatch the outbox."""
     from orchestrator.config import EngineSettings
@@ -603,9 +616,10 @@ def worker(
     async def job() -> Any:
         # Validated inside _run so a bad URL is one clean line, not a traceback.
         shop = _checked_url(fake_shop, "--fake-shop") if fake_shop else None
+        writer = _checked_sqlite_writer(sqlite_writer)
         return await run_worker_process(
             _checked_url(db),
-            settings=settings,
+            settings=settings.model_copy(update={"sqlite_writer": writer}),
             concurrency=concurrency,
             once=once,
             poll_seconds=poll_seconds,

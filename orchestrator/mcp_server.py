@@ -76,6 +76,7 @@ if TYPE_CHECKING:
     from mcp import types as mt
     from mcp.server.lowlevel import Server
 
+    from ledger.store import SqliteWriter
     from orchestrator.engine import Orchestrator
 
 log = structlog.get_logger(__name__)
@@ -550,6 +551,7 @@ async def run_mcp(
     language: str | None = None,
     fake_shop: str | None = None,
     app_ref: str | None = None,
+    sqlite_writer: SqliteWriter | None = None,
 ) -> None:
     """Authenticate, open the engine and providers, serve MCP on stdio until stdin closes (or
     SIGTERM/SIGINT), then close everything."""
@@ -564,9 +566,8 @@ async def run_mcp(
     closers: list[Any] = []
     try:
         providers = await _providers(fake_shop, app_ref, closers)
-        orch = await Orchestrator.open(
-            url, providers=providers, settings=EngineSettings(tenant=tenant)
-        )
+        settings = EngineSettings(tenant=tenant, sqlite_writer=sqlite_writer)
+        orch = await Orchestrator.open(url, providers=providers, settings=settings)
         closers.append(orch)
         tools = McpTools(orch, caller, language=language)
         await tools.check_caller()
@@ -630,6 +631,7 @@ def mcp(
     app_ref: Annotated[
         str | None, typer.Option("--app", help="module:attribute giving your providers.")
     ] = None,
+    sqlite_writer: serve.SqliteWriterOption = None,
 ) -> None:
     """Serve the agent toolbox over MCP on stdin/stdout (prepare, execute, status)."""
     from orchestrator import cli
@@ -647,6 +649,7 @@ def mcp(
         auth = _auth_settings(jwt_secret, jwt_public_key_file, tenant, jwt_audience, jwt_issuer)
         url = cli._checked_url(db)
         shop = cli._checked_url(fake_shop, "--fake-shop") if fake_shop else None
+        writer = cli._checked_sqlite_writer(sqlite_writer)
         await run_mcp(
             url,
             token=token,
@@ -656,6 +659,7 @@ def mcp(
             language=language,
             fake_shop=shop,
             app_ref=app_ref,
+            sqlite_writer=writer,
         )
 
     cli._run(job())

@@ -35,12 +35,14 @@ from pydantic import ValidationError
 from orchestrator.authz import AuthSettings
 
 if TYPE_CHECKING:
+    from ledger.store import SqliteWriter
     from providers.contract import Provider
 
 DEFAULT_DB: Final = "sqlite+aiosqlite:///agent.db"
 DB_ENV: Final = "AGENT_TXN_DB"
 SECRET_ENV: Final = "AGENT_TXN_JWT_SECRET"
 TENANT_ENV: Final = "AGENT_TXN_TENANT"
+SQLITE_WRITER_ENV: Final = "AGENT_TXN_SQLITE_WRITER"
 
 
 # Options shared by every command that authenticates JWTs (``serve``, ``mcp``).
@@ -66,6 +68,18 @@ JwtIssuerOption = Annotated[str | None, typer.Option("--jwt-issuer", help="Requi
 TenantOption = Annotated[
     str,
     typer.Option("--tenant", envvar=TENANT_ENV, show_envvar=True, help="Tenant served."),
+]
+# Shared by every command that runs sagas on a store (``serve``, ``mcp``, ``worker``): the one
+# engine setting an operator may need to turn off on SQLite, since it starts a process.
+SqliteWriterOption = Annotated[
+    str | None,
+    typer.Option(
+        "--sqlite-writer",
+        envvar=SQLITE_WRITER_ENV,
+        show_envvar=True,
+        help="SQLite: where groups of concurrent transactions commit: process (a writer process "
+        "of the store's own, the default) or inline (on the event loop, no second process).",
+    ),
 ]
 #: How long requests in progress may take to finish after SIGTERM.
 GRACEFUL_SECONDS: Final = 10
@@ -191,6 +205,7 @@ async def run_server(
     tenant: str,
     fake_shop: str | None = None,
     app_ref: str | None = None,
+    sqlite_writer: SqliteWriter | None = None,
 ) -> None:
     """Open the engine and providers, serve the API until SIGTERM/SIGINT, close everything."""
     from orchestrator import cli
@@ -205,9 +220,8 @@ async def run_server(
     closers: list[Any] = []
     try:
         providers = await _providers(fake_shop, app_ref, closers)
-        orch = await Orchestrator.open(
-            url, providers=providers, settings=EngineSettings(tenant=tenant)
-        )
+        settings = EngineSettings(tenant=tenant, sqlite_writer=sqlite_writer)
+        orch = await Orchestrator.open(url, providers=providers, settings=settings)
         closers.append(orch)
         config = uvicorn.Config(
             create_app(orch, auth),
@@ -252,6 +266,7 @@ def serve(
     jwt_audience: JwtAudienceOption = None,
     jwt_issuer: JwtIssuerOption = None,
     tenant: TenantOption = "default",
+    sqlite_writer: SqliteWriterOption = None,
 ) -> None:
     """Serve the commands HTTP API (OpenAPI at /openapi.json) until SIGTERM or SIGINT."""
     from orchestrator import cli
@@ -261,8 +276,16 @@ def serve(
         auth = _auth_settings(jwt_secret, jwt_public_key_file, tenant, jwt_audience, jwt_issuer)
         url = cli._checked_url(db)
         shop = cli._checked_url(fake_shop, "--fake-shop") if fake_shop else None
+        writer = cli._checked_sqlite_writer(sqlite_writer)
         await run_server(
-            url, host=host, port=port, auth=auth, tenant=tenant, fake_shop=shop, app_ref=app_ref
+            url,
+            host=host,
+            port=port,
+            auth=auth,
+            tenant=tenant,
+            fake_shop=shop,
+            app_ref=app_ref,
+            sqlite_writer=writer,
         )
 
     cli._run(job())
