@@ -15,6 +15,12 @@ loop, no DBOS), so that::
 minus the same with ``N = 0``, divided by N, is the engine's instructions per saga (kernel
 time, such as the WAL's writes, is not counted: read it with the bench). ``docs/benchmarks-log.md``
 ("Counting instructions") has the figures and the commands. ``--no-drain`` leaves the drain out.
+
+On SQLite with C > 1 the store's default ships commit groups to a writer process, whose
+instructions callgrind does not count unless told to follow children
+(``--trace-children=yes``, which counts them in a file of their own): pass ``--sqlite-writer
+inline`` to count the whole engine in this one process, as every figure in the log before
+2026-12-05 did.
 """
 
 from __future__ import annotations
