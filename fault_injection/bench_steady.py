@@ -19,8 +19,8 @@ time, such as the WAL's writes, is not counted: read it with the bench). ``docs/
 On SQLite with C > 1 the store's default ships commit groups to a writer process, whose
 instructions callgrind does not count unless told to follow children
 (``--trace-children=yes``, which counts them in a file of their own): pass ``--sqlite-writer
-inline`` to count the whole engine in this one process, as every figure in the log before
-2026-12-05 did.
+inline`` to count the whole engine in this one process, as the log's instruction counts
+did.
 """
 
 from __future__ import annotations
