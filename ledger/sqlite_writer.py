@@ -17,7 +17,9 @@ What the parent learns, and what it concludes (:class:`Answer`):
   :data:`SILENT_DEATHS` times in a row: a writer cannot run here (the host's ``sys.executable``
   is not a plain Python, say). The groups it was given failed as above;
   :attr:`WriterProcess.unusable` is set, with a warning, and the store commits in-process from
-  then on, as if it had been configured so.
+  then on, as if it had been configured so;
+* a child that cannot be started at all (:meth:`WriterProcess.ready`): given up at once, the
+  same way, before any group was handed to it.
 """
 
 from __future__ import annotations
@@ -129,6 +131,7 @@ class WriterProcess:
         try:
             self._ensure_running(asyncio.get_running_loop())
         except OSError as exc:
+            self._give_up(f"it could not be started: {exc}")
             future.set_exception(StoreUnavailable(f"the SQLite writer did not start: {exc}"))
             return
         numbers = self._numbers
@@ -151,6 +154,32 @@ class WriterProcess:
             return
         self._waiting.append(future)
         self._send(_LENGTH.pack(len(body)) + body)
+
+    def ready(self) -> bool:
+        """Whether a group may be handed over now: the child runs, or has just been started.
+
+        A child that cannot even be started (an :class:`OSError`: no such executable, no
+        process left to fork, a sandbox that forbids them) gives the writer up at once, with a
+        warning, so that the store commits in-process from then on. The store asks before it
+        builds a group, so no group is failed for it. (A start that fails later, to replace a
+        child that died, fails that group as unknown, as the death did.)"""
+        if self.unusable:
+            return False
+        try:
+            self._ensure_running(asyncio.get_running_loop())
+        except OSError as exc:
+            self._give_up(f"it could not be started: {exc}")
+            return False
+        return True
+
+    def _give_up(self, why: str) -> None:
+        if not self.unusable:
+            self.unusable = True
+            log.warning(
+                "the SQLite writer process cannot run here: committing in-process",
+                argv=self._argv[:4],
+                why=why,
+            )
 
     def _ensure_running(self, loop: asyncio.AbstractEventLoop) -> None:
         if self._proc is not None:
@@ -251,13 +280,8 @@ class WriterProcess:
                 exited = proc.wait(timeout=REAP_WAIT_S)
         if exited is not None and exited >= 0 and not self._answered:
             self._silent_deaths += 1
-            if self._silent_deaths >= SILENT_DEATHS and not self.unusable:
-                self.unusable = True
-                log.warning(
-                    "the SQLite writer process cannot run here: committing in-process",
-                    argv=self._argv[:4],
-                    why=why,
-                )
+            if self._silent_deaths >= SILENT_DEATHS:
+                self._give_up(why)
         if proc is not None:
             with contextlib.suppress(OSError):
                 proc.kill()

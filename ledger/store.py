@@ -868,8 +868,14 @@ class Store:
                         return
                     # Whether it could still be shipped, and whether anyone could join it.
                     shippable, alone = work._deferred, self._nobody_could_join()
-                    if shippable and (
-                        self._building is not None or self.writer_process.in_flight or not alone
+                    if (
+                        shippable
+                        and (
+                            self._building is not None or self.writer_process.in_flight or not alone
+                        )
+                        # Starts the child if none runs; one that cannot start is given up
+                        # and this writer commits here (WriterProcess.ready).
+                        and self.writer_process.ready()
                     ):
                         self._writer = conn
                         shipment, index = self._join_shipment(work)

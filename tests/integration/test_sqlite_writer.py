@@ -16,7 +16,8 @@ this mode can get wrong, checked in the database file itself where it matters:
 * a lone transaction commits in-process (no writer is even started), and ``close`` waits for
   the group in flight;
 * a writer that cannot run here (it ends before answering, twice) is given up, and the store
-  commits in-process from then on;
+  commits in-process from then on; one that cannot even be started is given up before any
+  group is handed to it, so no transaction fails for it;
 * the writer's commits leave the WAL's checkpoints to a thread of the writer process (under
   ``NORMAL``), which it loads by path as it is started (``python -I -S``, no packages).
 """
@@ -313,6 +314,27 @@ async def test_a_writer_that_cannot_run_is_given_up_for_in_process_commits(
     results = await _together(*(_insert(store, f"tx-after-{n}") for n in range(4)))
     assert results == [None] * 4  # committed in-process, in one group
     assert writer.started == started  # no further attempt
+    assert {f"tx-after-{n}" for n in range(4)} <= set(_statuses(db_path))
+
+
+async def test_a_writer_that_cannot_even_start_is_given_up_before_any_group_fails(
+    store: Store, db_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The default starts a process; a host where none can start (no such executable, a
+    sandbox that forbids it) must not cost a single transaction: the store notices before it
+    hands a group over, and commits in-process from then on."""
+    writer = store.writer_process
+    assert writer is not None
+    monkeypatch.setattr(writer, "_argv", [str(db_path.parent / "no-such-python")])
+
+    results = await _together(*(_insert(store, f"tx-{n}") for n in range(4)))
+
+    assert results == [None] * 4  # every one committed, none failed as unknown
+    assert writer.unusable and store.sqlite_writer == "inline"
+    assert writer.started == 0
+    assert set(_statuses(db_path)) == {f"tx-{n}" for n in range(4)}
+    results = await _together(*(_insert(store, f"tx-after-{n}") for n in range(4)))
+    assert results == [None] * 4
     assert {f"tx-after-{n}" for n in range(4)} <= set(_statuses(db_path))
 
 
