@@ -30,7 +30,12 @@ length and a pickle:
 * An error is ``(class name, message, SQLite error code, SQLite error name)``, so the parent
   can raise the :mod:`sqlite3` exception the statement raised in-process.
 
-End of input (the parent closed the pipe, or died) ends the process. The process commits
+End of input (the parent closed the pipe, or died) ends the process, and nothing else does:
+it ignores ``SIGINT`` and ``SIGTERM``. A Ctrl-C in a terminal reaches the whole process group,
+and a service manager's stop often every process of the service; either would end the writer
+at once, failing as unknown the groups of the very sagas its parent is finishing before it
+exits. Its parent closes the pipe when it closes the store, or dies, and then this process
+ends after the group in hand. The process commits
 each group before it reads the next, so a group is committed if and only if its answer says
 so; a group whose answer never came (this process died) may or may not be.
 
@@ -48,6 +53,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import pickle
+import signal
 import sqlite3
 import struct
 import sys
@@ -225,6 +231,8 @@ def serve(source: BinaryIO, sink: BinaryIO, writer: Writer) -> None:
 
 
 def main(argv: list[str]) -> int:
+    for stop in (signal.SIGINT, signal.SIGTERM):  # the parent's pipe decides (module doc)
+        signal.signal(stop, signal.SIG_IGN)
     path, synchronous, busy_timeout_ms = argv[1], argv[2], int(argv[3])
     conn = connect(path, synchronous, busy_timeout_ms)
     writer = Writer(conn, checkpointer_for(path, synchronous))

@@ -25,6 +25,7 @@ this mode can get wrong, checked in the database file itself where it matters:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import sqlite3
@@ -161,6 +162,31 @@ async def test_a_writer_that_dies_in_flight_leaves_the_outcome_unknown(
     assert writer.started == killed + 1  # a fresh writer took over
     assert not writer.unusable  # killed is not "cannot run here": no giving up on it
     assert {f"tx-next-{n}" for n in range(4)} <= set(_statuses(db_path))
+
+
+async def test_a_ctrl_c_or_a_service_stop_leaves_the_writer_to_its_parent(
+    store: Store, db_path: Path
+) -> None:
+    """SIGINT (a terminal's Ctrl-C reaches the whole process group) and SIGTERM (a service
+    manager's stop, often every process of the service) do not end the writer: its parent
+    finishes the sagas in hand first, and their groups still commit. The parent's pipe alone
+    ends it."""
+    writer = store.writer_process
+    assert writer is not None
+    assert await _together(*(_insert(store, f"tx-{n}") for n in range(4))) == [None] * 4
+    child = writer._proc
+    assert child is not None and writer.started == 1
+
+    for stop in (signal.SIGINT, signal.SIGTERM):
+        os.kill(child.pid, stop)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        child.wait(timeout=0.5)  # time for a child that heeded them to end
+
+    assert child.poll() is None
+    results = await _together(*(_insert(store, f"tx-after-{n}") for n in range(4)))
+    assert results == [None] * 4
+    assert writer.started == 1 and writer._proc is child  # the same writer committed them
+    assert {f"tx-after-{n}" for n in range(4)} <= set(_statuses(db_path))
 
 
 async def test_a_lone_transaction_commits_without_a_writer(store: Store, db_path: Path) -> None:
