@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import time
 from typing import Any, Literal
@@ -197,8 +198,10 @@ def _sqlite_engine(url: str, synchronous: str, busy_timeout_ms: int) -> AsyncEng
         engine = create_async_engine(
             url,
             json_serializer=plain_json,  # what json.dumps gives, for less CPU (ledger.canonical)
+            # Resolved now: the pool opens connections later, maybe after the process changed
+            # its working directory, and a relative path would then name another file.
             async_creator=sqlite_inline.connector(
-                database, busy_timeout_ms=busy_timeout_ms, synchronous=synchronous
+                os.path.abspath(database), busy_timeout_ms=busy_timeout_ms, synchronous=synchronous
             ),
         )
     else:

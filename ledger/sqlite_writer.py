@@ -87,7 +87,9 @@ class WriterProcess:
             "-I",
             "-S",
             sqlite_writer_child.__file__,
-            path,
+            # Resolved now: the child starts with the first group, maybe after the process
+            # changed its working directory, and a relative path would then name another file.
+            os.path.abspath(path),
             synchronous,
             str(int(busy_timeout_ms)),
         ]

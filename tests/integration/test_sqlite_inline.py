@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import text
 
-from ledger import sqlite_inline
+from ledger import dialects, sqlite_inline
 from ledger.errors import StoreBusy
 from ledger.store import Store
 
@@ -204,3 +204,21 @@ async def test_savepoint_and_statement_journals_stay_in_memory(
         assert (await work.conn.execute(text("PRAGMA temp_store"))).scalar_one() == 2
     async with store.read() as conn:
         assert (await conn.execute(text("PRAGMA temp_store"))).scalar_one() == 2
+
+
+async def test_a_relative_url_names_one_file_whatever_the_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pool opens connections when they are needed, maybe after the process changed its
+    working directory: a relative URL is resolved when the engine is made."""
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path)
+    engine = dialects.create_engine("sqlite+aiosqlite:///agent.db", sqlite_synchronous="NORMAL")
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    try:
+        async with engine.connect() as conn:
+            rows = (await conn.execute(text("PRAGMA database_list"))).all()
+    finally:
+        await engine.dispose()
+    assert rows[0][2] == str(tmp_path / "agent.db")
+    assert not (tmp_path / "elsewhere" / "agent.db").exists()

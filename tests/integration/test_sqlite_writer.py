@@ -189,6 +189,23 @@ async def test_a_ctrl_c_or_a_service_stop_leaves_the_writer_to_its_parent(
     assert {f"tx-after-{n}" for n in range(4)} <= set(_statuses(db_path))
 
 
+async def test_a_relative_path_names_the_same_file_after_a_chdir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The child starts with the first group, which may come after the process changed its
+    working directory: a relative URL must still name the store's file, not a new one."""
+    monkeypatch.setattr("ledger.store.DEFAULT_SQLITE_WRITER", "process")
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path)
+    async with bare_store("sqlite+aiosqlite:///agent.db") as store:
+        monkeypatch.chdir(tmp_path / "elsewhere")
+        results = await _together(*(_insert(store, f"tx-{n}") for n in range(4)))
+        assert results == [None] * 4
+        assert store.writer_process is not None and store.writer_process.started == 1
+    assert set(_statuses(tmp_path / "agent.db")) == {f"tx-{n}" for n in range(4)}
+    assert not (tmp_path / "elsewhere" / "agent.db").exists()
+
+
 async def test_a_lone_transaction_commits_without_a_writer(store: Store, db_path: Path) -> None:
     await _insert(store, "tx-alone")
     assert store.writer_process is not None and store.writer_process.started == 0
