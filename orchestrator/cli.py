@@ -619,7 +619,10 @@ def worker(
         writer = _checked_sqlite_writer(sqlite_writer)
         return await run_worker_process(
             _checked_url(db),
-            settings=settings.model_copy(update={"sqlite_writer": writer}),
+            # Only when given: unset, worker_settings keeps a worker's groups inline.
+            settings=settings
+            if writer is None
+            else settings.model_copy(update={"sqlite_writer": writer}),
             concurrency=concurrency,
             once=once,
             poll_seconds=poll_seconds,

@@ -59,13 +59,21 @@ def worker_settings(settings: EngineSettings, concurrency: int) -> EngineSetting
     * Grouped commits in one cohort, unless the caller set ``pg_commit_cohorts``: a worker
       claims sagas when half its slots are free, so two half-size cohorts would halve every
       claim pass (about eight statements whatever it claims) and double their number —
-      measured 5 to 20 % fewer sagas/s in worker processes (``docs/benchmarks-log.md``, item 39)."""
+      measured 5 to 20 % fewer sagas/s in worker processes (``docs/benchmarks-log.md``, item 39).
+    * SQLite: commit groups on the event loop, unless the caller set ``sqlite_writer``. A
+      worker's claim passes read, so each waits until the groups in flight in the writer
+      process are committed, and the groups it ships stay small: with the writer process a
+      worker with 8 in hand committed 1.8 times a saga against 0.75 inline, and drained
+      790 to 830 sagas/s against 990 to 1 080 (``docs/benchmarks.md``, 2026-12-05). The writer
+      process pays where sagas arrive as they come (``serve``, ``mcp``, a library caller)."""
     update: dict[str, object] = {}
     needed = concurrency + WORKER_OWN_CONNECTIONS
     if settings.pg_pool_size < needed:
         update["pg_pool_size"] = needed
     if "pg_commit_cohorts" not in settings.model_fields_set:
         update["pg_commit_cohorts"] = False
+    if "sqlite_writer" not in settings.model_fields_set:
+        update["sqlite_writer"] = "inline"
     return settings.model_copy(update=update) if update else settings
 
 

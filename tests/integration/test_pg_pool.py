@@ -93,8 +93,18 @@ def test_a_worker_keeps_one_commit_cohort_unless_told_otherwise() -> None:
     assert EngineSettings().pg_commit_cohorts is True  # a process driving sagas as they come
     assert worker_settings(EngineSettings(), 8).pg_commit_cohorts is False
     assert worker_settings(EngineSettings(pg_commit_cohorts=True), 8).pg_commit_cohorts is True
-    kept = EngineSettings(pg_pool_size=100, pg_commit_cohorts=False)
+    kept = EngineSettings(pg_pool_size=100, pg_commit_cohorts=False, sqlite_writer="process")
     assert worker_settings(kept, 8) is kept  # nothing to change: the same settings
+
+
+def test_a_worker_commits_sqlite_groups_inline_unless_told_otherwise() -> None:
+    assert EngineSettings().sqlite_writer is None  # the store's default: the writer process
+    assert worker_settings(EngineSettings(), 8).sqlite_writer == "inline"
+    told = EngineSettings(sqlite_writer="process")
+    assert worker_settings(told, 8).sqlite_writer == "process"
+    # As `agent-txn worker --sqlite-writer process` passes it: set on a copy, still "set".
+    copied = EngineSettings(lease_seconds=30).model_copy(update={"sqlite_writer": "process"})
+    assert worker_settings(copied, 8).sqlite_writer == "process"
 
 
 async def test_a_worker_sizes_the_pool_for_the_sagas_it_holds(db_urls: DbUrls) -> None:
