@@ -74,13 +74,16 @@ SQLITE_BUSY_TIMEOUT_MS = 10_000
 
 def sqlite_file(url: str) -> str | None:
     """The file a SQLite URL names, if it is a plain file (no ``:memory:``, no query string:
-    the URLs whose statements run on the event loop, :mod:`ledger.sqlite_inline`)."""
+    the URLs whose statements run on the event loop, :mod:`ledger.sqlite_inline`), as an
+    absolute path. Resolved now because it is opened later: the pool opens connections when
+    it needs them and the writer process starts with the first group, maybe after the process
+    changed its working directory, when a relative path would name another, new file."""
     if dialect_of(url) != "sqlite":
         return None
     parsed = make_url(normalize_url(url))
     database = parsed.database or ""
     if database and database != ":memory:" and not parsed.query:
-        return database
+        return os.path.abspath(database)
     return None
 
 
@@ -198,10 +201,8 @@ def _sqlite_engine(url: str, synchronous: str, busy_timeout_ms: int) -> AsyncEng
         engine = create_async_engine(
             url,
             json_serializer=plain_json,  # what json.dumps gives, for less CPU (ledger.canonical)
-            # Resolved now: the pool opens connections later, maybe after the process changed
-            # its working directory, and a relative path would then name another file.
             async_creator=sqlite_inline.connector(
-                os.path.abspath(database), busy_timeout_ms=busy_timeout_ms, synchronous=synchronous
+                database, busy_timeout_ms=busy_timeout_ms, synchronous=synchronous
             ),
         )
     else:

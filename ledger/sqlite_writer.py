@@ -87,9 +87,7 @@ class WriterProcess:
             "-I",
             "-S",
             sqlite_writer_child.__file__,
-            # Resolved now: the child starts with the first group, maybe after the process
-            # changed its working directory, and a relative path would then name another file.
-            os.path.abspath(path),
+            path,  # absolute (dialects.sqlite_file): the child may start after a chdir
             synchronous,
             str(int(busy_timeout_ms)),
         ]
