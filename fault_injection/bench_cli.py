@@ -29,7 +29,7 @@ import dataclasses
 import json
 import tempfile
 from pathlib import Path
-from typing import Annotated, Any, cast
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -38,7 +38,7 @@ from rich.table import Table
 from fault_injection.bench import PROVIDERS, BenchConfig, BenchResult, run_bench
 from fault_injection.bench_environment import describe, one_line
 from fault_injection.steal import read_cpu_times, stolen_share
-from ledger.store import SqliteWriter
+from ledger.store import SQLITE_WRITERS
 
 app = typer.Typer(
     help="Benchmark the order saga end to end.",
@@ -172,7 +172,7 @@ def bench(
         raise _usage(out, f"--provider must be one of {', '.join(PROVIDERS)}")
     if sqlite_synchronous.upper() not in {"OFF", "NORMAL", "FULL", "EXTRA"}:
         raise _usage(out, "--sqlite-synchronous must be OFF, NORMAL, FULL or EXTRA")
-    if sqlite_writer is not None and sqlite_writer not in ("inline", "process"):
+    if sqlite_writer is not None and sqlite_writer not in SQLITE_WRITERS:
         raise _usage(out, "--sqlite-writer must be inline or process")
     postgres = db is not None and db.startswith("postgres")
     if workers and not recovery and not postgres:
@@ -204,7 +204,7 @@ def bench(
         warmup=warmup,
         driver_seconds=driver_seconds,
         sqlite_synchronous=sqlite_synchronous.upper(),
-        sqlite_writer=cast(SqliteWriter | None, sqlite_writer),
+        sqlite_writer=sqlite_writer,
         workers=workers,
         recovery=recovery,
     )

@@ -34,7 +34,7 @@ from pathlib import Path
 from fault_injection.bench import _run_sagas, open_shop
 from fault_injection.harness import DatabasePair, fresh_databases
 from fault_injection.sagas import order_saga
-from ledger.store import SqliteWriter
+from ledger.store import SQLITE_WRITERS, SqliteWriter
 from orchestrator.config import EngineSettings
 from orchestrator.engine import Orchestrator
 
@@ -89,7 +89,7 @@ def main() -> None:
     parser.add_argument("concurrency", type=int)
     parser.add_argument("db", nargs="?", default=None, help="omitted: SQLite files")
     parser.add_argument("--no-drain", action="store_true")
-    parser.add_argument("--sqlite-writer", choices=("inline", "process"), default=None)
+    parser.add_argument("--sqlite-writer", choices=SQLITE_WRITERS, default=None)
     asyncio.run(_main(parser.parse_args()))
 
 

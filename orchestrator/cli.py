@@ -17,7 +17,7 @@ import json
 import os
 from collections.abc import Coroutine
 from pathlib import Path
-from typing import Annotated, Any, Final, NoReturn, TypeVar, cast
+from typing import Annotated, Any, Final, NoReturn, TypeVar
 
 import typer
 from rich import box
@@ -34,7 +34,7 @@ from ledger import dialects, migrate
 from ledger.errors import StorageError
 from ledger.schema import ledger as ledger_table
 from ledger.schema import transactions as transactions_table
-from ledger.store import SqliteWriter
+from ledger.store import SQLITE_WRITERS, SqliteWriter
 from orchestrator.demo import (
     DemoError,
     compact_json,
@@ -178,9 +178,9 @@ def _checked_sqlite_writer(value: str | None) -> SqliteWriter | None:
     default."""
     if value is None:
         return None
-    if value not in ("inline", "process"):
+    if value not in SQLITE_WRITERS:
         raise CliFailure(f"--sqlite-writer must be inline or process, not {value!r}")
-    return cast(SqliteWriter, value)
+    return value
 
 
 def _sqlite_path(url: str) -> Path | None:

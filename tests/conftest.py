@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 from sqlalchemy.engine import make_url
 
-from ledger.store import Store
+from ledger.store import SQLITE_WRITERS, Store
 from orchestrator.engine import Orchestrator
 from providers.fake.shop import FakeShop
 from tests.support.pg_databases import PgDatabases
@@ -60,7 +60,7 @@ SQLITE_WRITER = os.environ.get("AGENT_TXN_TEST_SQLITE_WRITER")
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    if SQLITE_WRITER not in (None, "inline", "process"):
+    if SQLITE_WRITER is not None and SQLITE_WRITER not in SQLITE_WRITERS:
         raise pytest.UsageError(
             f"AGENT_TXN_TEST_SQLITE_WRITER must be inline or process, not {SQLITE_WRITER!r}"
         )
