@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from fault_injection.bench_driver import driver_commit_rate, measure_driver
+from fault_injection.bench_driver import measure_driver
 from fault_injection.harness import DatabasePair, fresh_databases
 from fault_injection.sagas import STOCK, order, order_saga
 from ledger import dialects
@@ -463,6 +463,5 @@ __all__ = [
     "BenchResult",
     "CheckOutcome",
     "InstrumentedProvider",
-    "driver_commit_rate",
     "run_bench",
 ]

@@ -47,14 +47,13 @@ _RAW_TABLE = "bench_scratch_raw"
 
 @dataclass(frozen=True, slots=True)
 class DriverRates:
-    """Small commits per second on the bench's database, on ``connections`` at once."""
+    """Small commits per second on the bench's database (:func:`measure_driver`)."""
 
     #: Through SQLAlchemy and the engine's settings (:func:`driver_commit_rate`).
     engine: float
     #: The bare driver (:func:`raw_commit_rate`); ``None`` where it cannot be measured (a
     #: SQLite URL that is not a plain file).
     raw: float | None
-    connections: int
 
 
 async def measure_driver(
@@ -67,7 +66,7 @@ async def measure_driver(
     raw = await raw_commit_rate(
         url, seconds=seconds, connections=connections, sqlite_synchronous=sqlite_synchronous
     )
-    return DriverRates(engine=engine, raw=raw, connections=connections)
+    return DriverRates(engine=engine, raw=raw)
 
 
 async def driver_commit_rate(
