@@ -40,6 +40,7 @@ from typing import Any, Literal
 from fault_injection.bench_driver import measure_driver
 from fault_injection.harness import DatabasePair, fresh_databases
 from fault_injection.sagas import STOCK, order, order_saga
+from fault_injection.server_cpu import per_saga_ms, read_server, server_cpu_seconds
 from ledger import dialects
 from ledger.states import TxState
 from ledger.store import SqliteWriter
@@ -157,6 +158,9 @@ class BenchResult:
     #: The bare driver's small commits per second (:func:`fault_injection.bench_driver.
     #: raw_commit_rate`), on as many connections; ``None`` where it could not be measured.
     raw_driver_commits_per_s: float | None = None
+    #: The local PostgreSQL server's CPU a saga over the timed phase
+    #: (:mod:`fault_injection.server_cpu`); ``None`` on SQLite and where it cannot be read.
+    server_cpu_ms_per_saga: float | None = None
 
     def as_json(self) -> dict[str, Any]:
         """The report under stable keys (``--json``)."""
@@ -401,12 +405,14 @@ async def _run_on(config: BenchConfig, urls: DatabasePair) -> BenchResult:
             before = orch.store.stats.snapshot()
             calls_before = calls[0]
             latencies: list[float] = []
+            server_before = read_server(urls.store)
             cpu_started = time.process_time()
             started = time.perf_counter()
             problems += await _run_sagas(orch, config.sagas, config.concurrency, "bench", latencies)
             await orch.drain(timeout_seconds=config.drain_timeout_seconds)
             elapsed = time.perf_counter() - started
             cpu = time.process_time() - cpu_started
+            server_cpu = server_cpu_seconds(server_before, read_server(urls.store))
             after = orch.store.stats.snapshot()
             # The SQLite writer process's CPU is the engine's too (ledger/sqlite_writer.py).
             cpu += after.writer_cpu_s - before.writer_cpu_s
@@ -454,6 +460,7 @@ async def _run_on(config: BenchConfig, urls: DatabasePair) -> BenchResult:
         sqlite_synchronous=config.sqlite_synchronous if urls.backend == "sqlite" else None,
         sqlite_writer=orch.store.sqlite_writer if urls.backend == "sqlite" else None,
         raw_driver_commits_per_s=driver.raw,
+        server_cpu_ms_per_saga=per_saga_ms(server_cpu, n),
     )
 
 

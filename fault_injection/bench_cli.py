@@ -72,6 +72,7 @@ def render(result: BenchResult, out: Console) -> None:
         ("commits / saga", _num(result.commits_per_saga, ".2f")),
         ("statements / saga", _num(result.statements_per_saga, ".2f")),
         ("client CPU ms / saga", _num(result.cpu_ms_per_saga, ".2f")),
+        ("server CPU ms / saga", _num(result.server_cpu_ms_per_saga, ".2f")),
         ("provider calls / saga", _num(result.provider_calls_per_saga, ".2f")),
         (
             f"driver commits/s ({result.driver_connections} conn)",
@@ -224,6 +225,11 @@ def bench(
         raise typer.Exit(1)
 
 
+def _server(ms: float | None) -> str:
+    # The local PostgreSQL server's CPU a saga during one half (fault_injection.server_cpu).
+    return "" if ms is None else f", server {ms:.1f} ms"
+
+
 def _steal(share: float | None) -> str:
     # The machine's stolen CPU time during one half of a pair (fault_injection.steal).
     return "" if share is None else f", steal {share:.0%}"
@@ -270,9 +276,11 @@ def _compare(
             size = f" over {ours.sagas:,} sagas" if match_time else ""
             out.print(
                 f"pair {i + 1}/{pairs} · {ours.backend} · C={config.concurrency}: "
-                f"ours {ours.sagas_per_s:,.1f} sagas/s{size} ({ours.cpu_ms_per_saga:.1f} ms CPU, "
+                f"ours {ours.sagas_per_s:,.1f} sagas/s{size} ({ours.cpu_ms_per_saga:.1f} ms CPU"
+                f"{_server(ours.server_cpu_ms_per_saga)}, "
                 f"{_num(ours.commits_per_saga, '.2f')} commits{_steal(pair.steal)}) · DBOS "
-                f"{theirs.sagas_per_s:,.1f} workflows/s ({theirs.cpu_ms_per_saga:.1f} ms CPU, "
+                f"{theirs.sagas_per_s:,.1f} workflows/s ({theirs.cpu_ms_per_saga:.1f} ms CPU"
+                f"{_server(theirs.server_cpu_ms_per_saga)}, "
                 f"{theirs.commits_per_saga:.2f} commits, {theirs.settings}"
                 f"{_steal(pair.dbos_steal)}) · ratio {pair.ratio:.2f}x"
             )

@@ -50,6 +50,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import make_url
 
 from fault_injection.median_interval import median_interval
+from fault_injection.server_cpu import per_saga_ms, read_server, server_cpu_seconds
 from ledger.dialects import dialect_of, normalize_url
 
 SqliteTuning = Literal["fast", "default"]
@@ -140,6 +141,8 @@ class DbosResult:
     elapsed_s: float
     check_ok: bool
     problems: list[str] = field(default_factory=list)
+    #: The local PostgreSQL server's CPU a workflow (:mod:`fault_injection.server_cpu`).
+    server_cpu_ms_per_saga: float | None = None
 
 
 def _percentile(sorted_ms: list[float], q: float) -> float:
@@ -268,11 +271,13 @@ def run_dbos(
 
             run(warmup, "warm", False)
             counted.clear()
+            server_before = read_server(url)
             cpu0 = time.process_time()
             started = time.perf_counter()
             run(sagas, "bench", True)
             elapsed = time.perf_counter() - started
             cpu = time.process_time() - cpu0
+            server_cpu = server_cpu_seconds(server_before, read_server(url))
             commits, statements = counted["commits"], counted["statements"]
             sa.event.remove(engine, "commit", on_commit)
             sa.event.remove(engine, "before_cursor_execute", on_execute)
@@ -302,6 +307,7 @@ def run_dbos(
         elapsed_s=elapsed,
         check_ok=not problems,
         problems=problems,
+        server_cpu_ms_per_saga=per_saga_ms(server_cpu, sagas),
     )
 
 
@@ -354,6 +360,7 @@ def compare_json(pairs: list[ComparePair]) -> dict[str, Any]:
     data["dbos_commits_per_saga"] = dbos_median.commits_per_saga
     data["dbos_statements_per_saga"] = dbos_median.statements_per_saga
     data["dbos_cpu_ms_per_saga"] = dbos_median.cpu_ms_per_saga
+    data["dbos_server_cpu_ms_per_saga"] = dbos_median.server_cpu_ms_per_saga
     data["dbos_settings"] = dbos_median.settings
     data["dbos_check_ok"] = all(p.dbos.check_ok for p in pairs)
     data["check_ok"] = data["dbos_check_ok"] and all(p.ours.check.ok for p in pairs)
@@ -366,6 +373,8 @@ def compare_json(pairs: list[ComparePair]) -> dict[str, Any]:
             "ratio_vs_dbos": p.ratio,
             "cpu_ms_per_saga": p.ours.cpu_ms_per_saga,
             "dbos_cpu_ms_per_saga": p.dbos.cpu_ms_per_saga,
+            "server_cpu_ms_per_saga": p.ours.server_cpu_ms_per_saga,
+            "dbos_server_cpu_ms_per_saga": p.dbos.server_cpu_ms_per_saga,
             "steal_share": p.steal,
             "dbos_steal_share": p.dbos_steal,
         }

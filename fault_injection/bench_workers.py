@@ -58,6 +58,7 @@ from fault_injection.bench import (
 from fault_injection.bench_driver import measure_driver
 from fault_injection.harness import DatabasePair
 from fault_injection.sagas import STOCK, order, order_saga
+from fault_injection.server_cpu import per_saga_ms, read_server, server_cpu_seconds
 from ledger import dialects
 from ledger.effects import EffectKind, count_unsettled
 from ledger.states import TxState
@@ -292,6 +293,7 @@ async def _run_workers(config: BenchConfig, urls: DatabasePair, workdir: Path) -
             prepare_s = time.perf_counter() - prep_started
             prepare_cpu = time.process_time() - cpu0
             expected = n + w * config.warmup
+            server_before = read_server(urls.store)
             started = time.perf_counter()
             for proc in procs:
                 assert proc.stdin is not None
@@ -312,6 +314,8 @@ async def _run_workers(config: BenchConfig, urls: DatabasePair, workdir: Path) -
                 waited = time.perf_counter() - started
                 await asyncio.sleep(max(POLL_DONE_SECONDS, waited / 100))
             elapsed = time.perf_counter() - started
+            # Read before the workers end: a backend that has ended takes its time with it.
+            server_cpu = server_cpu_seconds(server_before, read_server(urls.store))
         finally:
             for proc in procs:
                 if proc.returncode is None:
@@ -370,6 +374,7 @@ async def _run_workers(config: BenchConfig, urls: DatabasePair, workdir: Path) -
         workers=w,
         sqlite_synchronous=config.sqlite_synchronous if urls.backend == "sqlite" else None,
         prepare_s=prepare_s,
+        server_cpu_ms_per_saga=per_saga_ms(server_cpu, n),
         extra={
             "prepare_sagas_per_s": n / prepare_s if prepare_s else 0.0,
             "end_to_end_sagas_per_s": n / (prepare_s + elapsed),

@@ -27,12 +27,13 @@ from fault_injection.bench_driver import raw_commit_rate
 from fault_injection.bench_environment import describe, package_version
 from fault_injection.contract_checks import check_provider_contract
 from fault_injection.harness import DatabasePair
+from fault_injection.server_cpu import is_local_postgres, read_server, server_cpu_seconds
 from fault_injection.steal import read_cpu_times
 from ledger import dialects
 from ledger.store import StoreStats
 from providers.contract import Confirmed, FencedOut, Rejected
 from providers.memory import MemoryShop
-from tests.conftest import DbUrls
+from tests.conftest import DbUrls, pg_connect
 
 #: 2 steps + 1 outbox event.
 MAX_COMMITS_PER_SAGA = 2 + 3
@@ -85,6 +86,32 @@ async def test_bench_counts_commits_and_effects(
     assert result.driver_commits_per_s > 0
     assert (result.raw_driver_commits_per_s or 0) > 0
     assert (result.efficiency or 0) > 0
+    if db_urls.backend == "sqlite":
+        assert result.server_cpu_ms_per_saga is None
+    elif is_local_postgres(db_urls.store):
+        assert result.server_cpu_ms_per_saga is not None and result.server_cpu_ms_per_saga >= 0
+
+
+async def test_the_servers_cpu_is_read_around_the_work_it_did(db_urls: DbUrls) -> None:
+    """``server_cpu_ms_per_saga``: the CPU the server's own processes spent between two
+    readings, here one query of about half a second of CPU on its backend."""
+    if db_urls.backend == "sqlite":
+        assert read_server(db_urls.store) is None
+        return
+    if not is_local_postgres(db_urls.store):
+        pytest.skip("the test server is not on this host: its processes cannot be read")
+    conn = await pg_connect(db_urls.store)
+    try:
+        await conn.execute("SET max_parallel_workers_per_gather = 0")  # one process does it
+        before = read_server(db_urls.store)
+        await conn.fetchval("SELECT count(*) FROM generate_series(1, 5000000)")
+        # Read while the backend lives: an ended process takes its time with it.
+        spent = server_cpu_seconds(before, read_server(db_urls.store))
+    finally:
+        await conn.close()
+
+    # The query costs 0.3 to 0.6 s of CPU here; other tests' work on the server only adds.
+    assert spent is not None and spent >= 0.1
 
 
 async def test_the_bare_drivers_loop_commits_on_the_bench_database_and_drops_its_table(
@@ -320,6 +347,9 @@ def test_bench_cli_compare_dbos_writes_ratio(tmp_path: Path) -> None:
     )
     assert data["check_ok"] is True
     assert data["pairs"][0]["sagas"] == data["pairs"][0]["dbos_sagas"] == 5
+    # SQLite: no server process to read, on either side
+    assert data["server_cpu_ms_per_saga"] is None and data["dbos_server_cpu_ms_per_saga"] is None
+    assert ", server " not in got.output
     if read_cpu_times() is not None:  # Linux: each half's stolen share is reported
         assert "steal " in got.output
         for key in ("steal_share", "dbos_steal_share"):
