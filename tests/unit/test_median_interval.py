@@ -85,6 +85,7 @@ def _pair(ours_per_s: float, dbos_per_s: float) -> ComparePair:
         sagas=100,
         sagas_per_s=ours_per_s,
         cpu_ms_per_saga=1.0,
+        server_cpu_ms_per_saga=None,
         check=check,
         as_json=lambda: {"sagas_per_s": ours_per_s},
     )
