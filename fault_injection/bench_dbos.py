@@ -362,12 +362,16 @@ def compare_json(pairs: list[ComparePair]) -> dict[str, Any]:
     data["dbos_cpu_ms_per_saga"] = dbos_median.cpu_ms_per_saga
     data["dbos_server_cpu_ms_per_saga"] = dbos_median.server_cpu_ms_per_saga
     data["dbos_settings"] = dbos_median.settings
+    # Each engine may run at its own fastest setting (bench --dbos-concurrency): say DBOS's.
+    data["dbos_concurrency"] = dbos_median.concurrency
     data["dbos_check_ok"] = all(p.dbos.check_ok for p in pairs)
     data["check_ok"] = data["dbos_check_ok"] and all(p.ours.check.ok for p in pairs)
     data["pairs"] = [
         {
             "sagas": p.ours.sagas,
             "dbos_sagas": p.dbos.sagas,
+            "concurrency": p.ours.concurrency,
+            "dbos_concurrency": p.dbos.concurrency,
             "sagas_per_s": p.ours.sagas_per_s,
             "dbos_sagas_per_s": p.dbos.sagas_per_s,
             "ratio_vs_dbos": p.ratio,

@@ -230,6 +230,7 @@ def test_bench_cli_refuses_unknown_provider() -> None:
         ["--recovery", "--provider", "memory"],  # recovery runs the fleet's fake shop
         ["--compare", "temporal"],
         ["--match-time"],  # sizes the halves of a DBOS comparison: nothing to match alone
+        ["--dbos-concurrency", "4"],  # DBOS's half of a comparison: there is none
     ],
 )
 def test_bench_cli_refuses_bad_mode_combinations(args: list[str]) -> None:
@@ -358,6 +359,17 @@ def test_bench_cli_compare_dbos_writes_ratio(tmp_path: Path) -> None:
         assert "steal " in got.output
         for key in ("steal_share", "dbos_steal_share"):
             assert 0.0 <= data["pairs"][0][key] <= 1.0
+
+
+@pytest.mark.skipif(not dbos_available(), reason="dbos is not installed (extra: bench)")
+@pytest.mark.usefixtures("dbos_console")
+def test_bench_cli_runs_dbos_at_its_own_concurrency(tmp_path: Path) -> None:
+    """``--dbos-concurrency``: each engine at its own setting, and the report says which."""
+    got, data = _compare_dbos(tmp_path, "--pairs", "1", "--dbos-concurrency", "3")
+    assert "C=1 vs DBOS C=3" in got.output
+    assert data["concurrency"] == data["pairs"][0]["concurrency"] == 1
+    assert data["dbos_concurrency"] == data["pairs"][0]["dbos_concurrency"] == 3
+    assert data["check_ok"] is True
 
 
 @pytest.mark.parametrize(

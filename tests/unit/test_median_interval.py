@@ -79,10 +79,11 @@ def test_a_level_outside_zero_and_one_is_refused() -> None:
         median_interval([1.0] * 10, level=1.0)
 
 
-def _pair(ours_per_s: float, dbos_per_s: float) -> ComparePair:
+def _pair(ours_per_s: float, dbos_per_s: float, dbos_concurrency: int = 16) -> ComparePair:
     check = SimpleNamespace(ok=True)
     ours = SimpleNamespace(
         sagas=100,
+        concurrency=16,
         sagas_per_s=ours_per_s,
         cpu_ms_per_saga=1.0,
         server_cpu_ms_per_saga=None,
@@ -92,7 +93,7 @@ def _pair(ours_per_s: float, dbos_per_s: float) -> ComparePair:
     dbos = DbosResult(
         backend="sqlite",
         sagas=100,
-        concurrency=16,
+        concurrency=dbos_concurrency,
         settings="WAL",
         sagas_per_s=dbos_per_s,
         p50_ms=1.0,
@@ -118,3 +119,10 @@ def test_the_bench_json_carries_the_interval_from_six_pairs_on() -> None:
     assert few["ratio_vs_dbos_ci95_low"] is None
     assert few["ratio_vs_dbos_ci95_high"] is None
     assert few["ratio_vs_dbos_ci95_coverage"] is None
+
+
+def test_the_bench_json_says_each_halfs_concurrency() -> None:
+    """``--dbos-concurrency``: the halves of a pair may run at different settings."""
+    data = compare_json([_pair(1000.0, 100.0, dbos_concurrency=4) for _ in range(3)])
+    assert data["dbos_concurrency"] == 4
+    assert [(p["concurrency"], p["dbos_concurrency"]) for p in data["pairs"]] == [(16, 4)] * 3
