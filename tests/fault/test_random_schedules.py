@@ -223,6 +223,51 @@ async def test_replay__a_forgotten_key_past_the_window_is_parked_not_failed(
     assert result.repro == "agent-txn fault-inject replay shrunk-42-70.json"
 
 
+#: Shrunk from seed 1205, index 207 (PostgreSQL): the receipt's send answers 503 after taking
+#: effect; in recovery the worker looks it up, and the "delivered" record rides on the store's
+#: next transaction (ledger/riders.py), where the armed crash fires. That host was the store's
+#: flush task, so the crash went unseen: the "dead" worker lived on, holding the event's lease,
+#: and the run ended with the receipt still executing (invariant 2).
+RIDER_CRASH_IN_FLUSH = {
+    "version": 1,
+    "seed": 1205,
+    "index": 207,
+    "sagas": [{"tx_id": "r1205-207-0", "order_id": "o1205-207-0", "variant": "happy"}],
+    "faults": [
+        {
+            "kind": "indeterminate_5xx",
+            "provider": "email",
+            "action": "send",
+            "times": 1,
+            "skip": 0,
+            "applied": True,
+            "delay_s": 0.0,
+            "effect_first": True,
+        }
+    ],
+    "crash": {"point": "record.before_commit", "saga": 0, "phase": "recovery", "where": {}},
+    "workers": 1,
+    "budget_s": 0.0,
+    "pause": None,
+    "rounds": 1,
+    "aged": False,
+    "call_timeout_s": 0.25,
+    "max_workers": 4,
+}
+
+
+async def test_replay__a_crash_in_a_riding_record_kills_its_worker(
+    db_urls: DbUrls, tmp_path: Path
+) -> None:
+    schedule = schedule_from_json(RIDER_CRASH_IN_FLUSH)
+    result = await run_fresh(
+        schedule, None if db_urls.backend == "sqlite" else db_urls.store, tmp_path
+    )
+    assert result.passed, result.line
+    assert result.crashes == 1  # counted where it fired, whichever task hosted the record
+    assert result.detail["outcomes"] == {"committed": 1}
+
+
 async def test_replay__a_stale_holder_behind_a_moved_ledger_chain_loses_its_lease(
     db_urls: DbUrls, tmp_path: Path
 ) -> None:
