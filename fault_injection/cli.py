@@ -4,6 +4,11 @@
 
     agent-txn fault-inject run --suite seed|faults|concurrency|matrix|random|all
         [--schedules N] [--seed S] [--workers K] [--db URL] [--report PATH] [--only NAME]
+    agent-txn fault-inject replay FILE [--db URL] [--report PATH]
+
+A random schedule that fails is shrunk to a minimal failing one, saved as
+``shrunk-SEED-INDEX.json`` in ``--report``'s folder (else the current directory), and
+``replay`` runs that file again alone on fresh databases.
 
 ``--db`` picks the backend: omitted (or a SQLite URL) runs on fresh SQLite files in a work
 folder; a PostgreSQL URL names the *server* — the suite creates fresh databases there and drops
@@ -138,6 +143,10 @@ def run(
                 progress.console.print(f"[{colour}]{escape(result.line)}[/]")
                 if not result.passed and result.repro:
                     progress.console.print(f"  reproduce: {escape(result.repro)}")
+                if "shrunk_repro" in result.detail:
+                    minimal = result.detail.get("shrunk_describe", "")
+                    progress.console.print(f"  minimal: {escape(str(minimal))}")
+                    progress.console.print(f"  replay: {escape(result.detail['shrunk_repro'])}")
 
             results = run_job(
                 _run_one(
@@ -151,6 +160,8 @@ def run(
                     modes=modes,
                     allow_server_restart=allow_server_restart,
                     progress=done,
+                    # Shrunk schedules outlive the run's work folder, so replay can find them.
+                    shrunk_dir=report.parent if report is not None else Path.cwd(),
                 )
             )
             summary.results.extend(results)
@@ -173,6 +184,7 @@ async def _run_one(
     modes: str,
     allow_server_restart: bool,
     progress: Callable[[ScenarioResult], None],
+    shrunk_dir: Path | None = None,
 ) -> list[ScenarioResult]:
     if name in ("seed", "faults", "concurrency"):
         from fault_injection.scenarios import run_suite
@@ -205,6 +217,7 @@ async def _run_one(
         workers=workers,
         only=int(only) if only is not None else None,
         progress=progress,
+        shrunk_dir=shrunk_dir,
     )
 
 
@@ -235,6 +248,45 @@ def _print_summary(out: Console, summary: RunSummary, seconds: float) -> None:
     out.print(f"[red]invariant violations: {len(violations)}[/]")
     for v in violations:
         out.print(f"  [{v.invariant}] {escape(v.name)} tx={v.tx_id}: {escape(v.message)}")
+
+
+@app.command("replay")
+def replay(
+    schedule_file: Annotated[
+        Path,
+        typer.Argument(
+            metavar="FILE",
+            help="A random schedule's JSON: a shrunk failure's file, or a report's "
+            "'shrunk' object saved as one.",
+        ),
+    ],
+    db: Annotated[str | None, typer.Option(help="SQLite URL, or a PostgreSQL server URL.")] = None,
+    report: Annotated[Path | None, typer.Option(help="Write PATH.json and PATH.md.")] = None,
+) -> None:
+    """Run one saved schedule alone on fresh databases; print PASS/FAIL and the summary."""
+    checked_db(db)
+    prepared_output(report, "--report")
+    from fault_injection.schedules import run_fresh, schedule_from_json
+
+    try:
+        text = schedule_file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        _refuse(f"{schedule_file}: cannot be read ({getattr(exc, 'strerror', None) or exc})")
+    try:
+        schedule = schedule_from_json(text)
+    except ValueError as exc:  # json.JSONDecodeError is one too
+        _refuse(f"{schedule_file}: not a schedule: {exc}")
+    out = _console()
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="agent-txn-fi-") as tmp:
+        result = run_job(run_fresh(schedule, db, Path(tmp), repro_db=db, replay_file=schedule_file))
+    out.print(f"[{'green' if result.passed else 'red'}]{escape(result.line)}[/]")
+    summary = RunSummary(results=[result])
+    _print_summary(out, summary, time.monotonic() - started)
+    if report is not None:
+        paths = write_report(summary, report)
+        out.print("report: " + ", ".join(str(p) for p in paths))
+    raise typer.Exit(0 if summary.ok else 1)
 
 
 @app.command("check")

@@ -982,13 +982,15 @@ async def run_random(
     shrink: bool = True,
     progress: Callable[[ScenarioResult], None] | None = None,
     dbs: DatabasePair | None = None,
+    shrunk_dir: Path | None = None,
 ) -> list[ScenarioResult]:
     """Run schedules ``0..schedules-1`` of ``seed`` (or just ``only``) on one database pair.
 
     The pair is ``dbs`` if given, else a fresh one made from ``db`` (``None`` = SQLite files
     under ``workdir``). Each failure is shrunk (unless ``shrink`` is false) on fresh database
     pairs; the minimal schedule goes to ``result.detail["shrunk"]`` and to a JSON file in
-    ``workdir`` that ``result.detail["shrunk_repro"]`` replays. Prints nothing.
+    ``shrunk_dir`` (default ``workdir``; the CLI gives a folder that outlives the run) that
+    ``result.detail["shrunk_repro"]`` replays. Prints nothing.
     """
     if schedules < 0:
         raise ValueError("schedules must be >= 0")
@@ -1006,7 +1008,7 @@ async def run_random(
             schedule = generate(seed, index, workers=workers)
             result = await run_schedule(schedule, harness, pool=pool, repro_db=db)
             if not result.passed and shrink:
-                await _shrink_into(result, schedule, db, dbs, workdir)
+                await _shrink_into(result, schedule, db, dbs, workdir, shrunk_dir or workdir)
             results.append(result)
             if progress is not None:
                 progress(result)
@@ -1046,6 +1048,7 @@ async def _shrink_into(
     db: str | None,
     dbs: DatabasePair,
     workdir: Path,
+    shrunk_dir: Path,
 ) -> None:
     server = _server_of(db, dbs)
 
@@ -1053,8 +1056,9 @@ async def _shrink_into(
         return await run_fresh(candidate, server, workdir)
 
     outcome = await shrinking.shrink(schedule, result, attempt)
-    path = workdir / f"shrunk-{schedule.seed}-{schedule.index}.json"
+    path = shrunk_dir / f"shrunk-{schedule.seed}-{schedule.index}.json"
     text = json.dumps(outcome.schedule.to_json(), indent=2, sort_keys=True) + "\n"
+    await asyncio.to_thread(path.parent.mkdir, parents=True, exist_ok=True)
     await asyncio.to_thread(path.write_text, text)
     result.detail["shrunk"] = outcome.schedule.to_json()
     result.detail["shrunk_describe"] = outcome.schedule.describe()

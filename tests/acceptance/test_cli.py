@@ -410,6 +410,40 @@ def test_fault_inject_check_needs_existing_sqlite_files(tmp_path: Path) -> None:
     assert not ours.exists() and not theirs.exists()
 
 
+def test_fault_inject_replay_runs_a_saved_schedule_alone(tmp_path: Path) -> None:
+    """The command a shrunk failure prints (``fault-inject replay FILE``) runs that file."""
+    from tests.fault.test_random_schedules import RIDER_CRASH_IN_FLUSH
+
+    saved = tmp_path / "shrunk-1205-207.json"
+    saved.write_text(json.dumps(RIDER_CRASH_IN_FLUSH))
+    run = cli("fault-inject", "replay", str(saved), "--report", "out/replay", cwd=tmp_path)
+    assert run.code == 0, (run.out, run.err)
+    assert "PASS schedule 207 (seed 1205): 1 saga, 1 fault, 1 crash, 1 worker" in run.out
+    report = json.loads((tmp_path / "out" / "replay.json").read_text())
+    assert report["ok"] is True and report["crashes"] == 1
+    assert report["results"][0]["repro"] == f"agent-txn fault-inject replay {saved}"
+
+
+@pytest.mark.parametrize(
+    ("content", "why"),
+    [
+        (None, "cannot be read"),
+        ("not json", "not a schedule"),
+        ('{"sagas": 3, "seed": 1, "index": 2}', "not a schedule"),
+        ('{"seed": 1, "index": 2}', "schedule field 'sagas' is missing"),
+    ],
+)
+def test_fault_inject_replay_refuses_what_is_not_a_schedule(
+    content: str | None, why: str, tmp_path: Path
+) -> None:
+    target = tmp_path / "schedule.json"
+    if content is not None:
+        target.write_text(content)
+    run = cli("fault-inject", "replay", str(target), cwd=tmp_path)
+    assert_clean_failure(run)
+    assert run.err.startswith(f"error: {target}: ") and why in run.err, run.err
+
+
 @pytest.mark.parametrize(
     ("command", "option"),
     [(["bench", "--sagas", "1", "--warmup", "0"], "--json"), (["fault-inject", "run"], "--report")],

@@ -162,8 +162,9 @@ async def test_runner__reports_and_shrinks_a_failure_when_lookups_are_skipped(
     assert failed is not None, "skipping lookups went unnoticed"
     index = int(failed.name.split()[-1])
 
+    kept = tmp_path / "kept"  # where the CLI puts them: a folder that outlives the run's
     [result] = await run_random(
-        None, tmp_path / "shrink", schedules=0, seed=SEED, only=index, shrink=True
+        None, tmp_path / "shrink", schedules=0, seed=SEED, only=index, shrink=True, shrunk_dir=kept
     )
 
     assert not result.passed and result.line.startswith(f"FAIL schedule {index} (seed {SEED})")
@@ -178,6 +179,7 @@ async def test_runner__reports_and_shrinks_a_failure_when_lookups_are_skipped(
     assert len(shrunk.sagas) <= len(original.sagas) and len(shrunk.faults) <= len(original.faults)
     assert result.detail["shrunk_repro"].startswith("agent-txn fault-inject replay ")
     saved = Path(result.detail["shrunk_file"])
+    assert saved.parent == kept
     assert schedule_from_json(await asyncio.to_thread(saved.read_text)) == shrunk
 
     # The minimal schedule still fails on a fresh database pair, and its repro is the replay.
