@@ -6,6 +6,7 @@ fails no host."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 from sqlalchemy import select
@@ -199,6 +200,36 @@ def test_a_lone_cancelled_callback_is_not_other_work() -> None:
         return alone, pending, others_ready()
 
     assert asyncio.run(main()) == (False, True, False)
+
+
+def test_the_ready_queue_may_grow_while_it_is_looked_at() -> None:
+    """Other threads append to the loop's ready queue at any moment (call_soon_threadsafe).
+    Looking at it must not fail when that happens mid-look: it once raised "deque mutated
+    during iteration" inside a commit (the concurrency suite on SQLite, under load in CI)."""
+    from ledger.sqlite_inline import others_ready
+
+    class AppendsWhileLookedAt:
+        """A cancelled callback whose look adds one more, as another thread could then."""
+
+        def __init__(self, ready: Any) -> None:
+            self.ready = ready
+
+        def cancelled(self) -> bool:
+            if len(self.ready) < 3:
+                self.ready.append(AppendsWhileLookedAt(self.ready))
+            return True
+
+    async def main() -> bool:
+        ready = asyncio.get_running_loop()._ready  # type: ignore[attr-defined]
+        ready.append(AppendsWhileLookedAt(ready))
+        try:
+            return others_ready()
+        finally:
+            # Never run: they stand in for callbacks, they are not ones.
+            for fake in [h for h in ready if isinstance(h, AppendsWhileLookedAt)]:
+                ready.remove(fake)
+
+    assert asyncio.run(main()) is False  # all it saw were cancelled
 
 
 def test_cancelled_callbacks_are_not_other_work_however_many_until_they_pile_up() -> None:
