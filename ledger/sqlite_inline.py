@@ -286,15 +286,12 @@ def others_ready() -> bool:
         # the loop turn for a while (each saga of a sequential caller that never waits leaves
         # one). Either way the long way is taken once, and its loop turn clears the pile.
         return True
-    try:
-        # A copy first: other threads append to this deque while we look (every
-        # call_soon_threadsafe: the driver's worker threads, the checkpointer, executors),
-        # and iterating it in Python while one does raises "deque mutated during iteration"
-        # in the middle of a commit. The copy is one C call, which no other thread
-        # interrupts under the GIL.
-        handles = tuple(ready)
-    except RuntimeError:  # a build where the copy itself can race: take the long way
-        return True
+    # A copy first: other threads append to this deque while we look (every
+    # call_soon_threadsafe: the driver's worker threads, the checkpointer, executors), and
+    # iterating it in Python while one does raises "deque mutated during iteration" in the
+    # middle of a commit. The copy is one C call, which no other thread interrupts under the
+    # GIL.
+    handles = tuple(ready)
     return any(not handle.cancelled() for handle in handles)
 
 
