@@ -235,7 +235,7 @@ def bench(
             dbos_sqlite,
             out,
             match_time=match_time,
-            dbos_concurrency=dbos_concurrency or concurrency,
+            dbos_concurrency=dbos_concurrency,
         )
     data["environment"] = environment
     if json_path is not None:
