@@ -17,7 +17,7 @@ from ledger.schema import operations, transactions
 from ledger.states import EffectState, TxState
 from orchestrator import errors
 from tests.support.sagas import order, order_saga
-from tests.support.world import World
+from tests.support.world import ONE_PASS_CALL_TIMEOUT_S, World
 
 
 async def _rows(world: World) -> tuple[int, int]:
@@ -105,7 +105,7 @@ async def _reads_of_one_recovery_pass(world: World, sagas: int) -> int:
 
     saga = order_saga()
     queued = [await world.orch.enqueue(saga, order(f"r{sagas}-{n}")) for n in range(sagas)]
-    worker = await world.engine()
+    worker = await world.engine(call_timeout_seconds=ONE_PASS_CALL_TIMEOUT_S)
     await worker.register(saga)
     seen: list[str] = []
 

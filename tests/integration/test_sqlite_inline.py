@@ -64,7 +64,9 @@ async def test_a_writer_waiting_on_another_connections_lock_leaves_the_loop_runn
 ) -> None:
     store, path = store_at
     held = threading.Event()
-    holder = _hold_write_lock(path, 0.5, held)
+    # 2 s, not less: the count below needs the write to wait for a good part of the hold, and
+    # on a loaded machine the hold may be mostly over before the write even starts.
+    holder = _hold_write_lock(path, 2.0, held)
     await asyncio.to_thread(held.wait, 5)
 
     async def write() -> object:
@@ -77,7 +79,7 @@ async def test_a_writer_waiting_on_another_connections_lock_leaves_the_loop_runn
     ticks = await _ticks_while(task)
     await task
     holder.join()
-    # The wait was ~0.5 s; a loop blocked by it would have ticked about once.
+    # The wait was up to 2 s; a loop blocked by it would have ticked about once.
     assert ticks >= 10
     async with store.read() as conn:
         assert (await conn.execute(text("SELECT count(*) FROM t"))).scalar_one() == 1

@@ -15,7 +15,7 @@ from fault_injection.sagas import order, order_saga
 from ledger.states import TxState
 from orchestrator.crashpoints import SimulatedCrash
 from orchestrator.worker import Worker
-from tests.support.world import World
+from tests.support.world import ONE_PASS_CALL_TIMEOUT_S, World
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -32,13 +32,6 @@ async def _crash_many(world: World, n: int, point: str = "effect.after_apply") -
         ids.append(f"w-{i}")
     await orch.abandon()
     return ids
-
-
-#: These tests run one pass (``once``) and then expect every saga settled. A provider call cut
-#: by the tests' 2 s budget is a legitimate "unknown" that a later pass settles, after its
-#: backoff; under a loaded CI machine the fake shop's SQLite once took that long (w-6, CI of
-#: 2026-12-05). Timeouts have their own tests; here the budget must not decide the outcome.
-ONE_PASS_CALL_TIMEOUT_S = 60.0
 
 
 async def test_worker_finishes_crashed_sagas(world: World) -> None:
@@ -73,7 +66,7 @@ async def test_a_worker_with_sagas_in_hand_claims_again_once_half_its_slots_are_
     world: World,
 ) -> None:
     await _crash_many(world, 6, point="prepare.after_commit")
-    orch = await world.engine()
+    orch = await world.engine(call_timeout_seconds=ONE_PASS_CALL_TIMEOUT_S)
     orch.store.advance_clock(5)
     worker = Worker(orch, concurrency=4, poll_seconds=0.01)
     assert worker.refill_at == 2

@@ -24,6 +24,15 @@ class Urls(Protocol):
     def backend(self) -> str: ...
 
 
+#: For tests that drive work through a bounded number of passes (one ``recover`` call, a
+#: worker's ``once`` loop) and then expect every saga settled. A provider call cut by
+#: :func:`fast_settings`' 2 s budget is a legitimate "unknown" that only a later pass settles,
+#: after its backoff; on a loaded CI machine the fake shop's SQLite once took that long (w-6,
+#: CI of 2026-12-05). Timeouts have their own tests; in these the budget must not decide the
+#: outcome.
+ONE_PASS_CALL_TIMEOUT_S = 60.0
+
+
 def fast_settings(**overrides: object) -> EngineSettings:
     """Settings for tests: tiny backoffs, a short execute budget, a unique worker id."""
     base: dict[str, object] = {
