@@ -4,7 +4,8 @@
 
     agent-txn bench [--db URL] [--sagas N] [--concurrency C] [--workers W] [--recovery]
         [--provider memory|fake|http] [--latency-ms L] [--warmup W] [--json PATH]
-        [--compare dbos [--pairs P] [--dbos-sqlite fast|default] [--match-time]]
+        [--compare dbos [--pairs P] [--dbos-concurrency K|auto] [--dbos-sqlite fast|default]
+        [--match-time]]
         [--sqlite-synchronous FULL|NORMAL] [--driver-seconds S]
 
 ``--db`` omitted runs on fresh SQLite files in a temporary folder; a PostgreSQL URL names the
@@ -27,9 +28,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import statistics
 import tempfile
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import typer
 from rich.console import Console
@@ -39,6 +41,12 @@ from fault_injection.bench import PROVIDERS, BenchConfig, BenchResult, run_bench
 from fault_injection.bench_environment import describe, one_line
 from fault_injection.steal import read_cpu_times, stolen_share
 from ledger.store import SQLITE_WRITERS
+
+if TYPE_CHECKING:  # the DBOS side is imported only when a comparison runs
+    from fault_injection.bench_dbos import DbosResult, DbosSweep, SqliteTuning
+
+#: The most sagas (or DBOS workflows) in flight the options take.
+MAX_IN_FLIGHT = 1024
 
 app = typer.Typer(
     help="Benchmark the order saga end to end.",
@@ -116,7 +124,8 @@ def bench(
     db: Annotated[str | None, typer.Option(help="SQLite URL, or a PostgreSQL server URL.")] = None,
     sagas: Annotated[int, typer.Option(min=1, help="Measured sagas.")] = 1000,
     concurrency: Annotated[
-        int, typer.Option(min=1, max=1024, help="Sagas in flight (per worker with --workers).")
+        int,
+        typer.Option(min=1, max=MAX_IN_FLIGHT, help="Sagas in flight (per worker with --workers)."),
     ] = 1,
     workers: Annotated[
         int, typer.Option(min=0, max=64, help="Worker processes (PostgreSQL); 0: in-process.")
@@ -152,12 +161,11 @@ def bench(
     ] = None,
     pairs: Annotated[int, typer.Option(min=1, max=20, help="Pairs with --compare.")] = 3,
     dbos_concurrency: Annotated[
-        int | None,
+        str | None,
         typer.Option(
-            min=1,
-            max=1024,
             help="With --compare: DBOS's workflows in flight (default: --concurrency), so that "
-            "each engine can run at its own fastest setting.",
+            "each engine can run at its own fastest setting; auto: run DBOS alone at 1 to 32 "
+            "first and take its fastest.",
         ),
     ] = None,
     dbos_sqlite: Annotated[
@@ -195,6 +203,9 @@ def bench(
         raise _usage(out, "--match-time sizes the halves of --compare dbos pairs: add --compare")
     if dbos_concurrency is not None and compare is None:
         raise _usage(out, "--dbos-concurrency sets DBOS's half of --compare dbos: add --compare")
+    dbos_in_flight = None if dbos_concurrency is None else _dbos_in_flight(dbos_concurrency)
+    if dbos_in_flight is False:
+        raise _usage(out, f"--dbos-concurrency must be a number from 1 to {MAX_IN_FLIGHT}, or auto")
     if compare is not None:
         if compare != "dbos":
             raise _usage(out, "--compare takes one value: dbos")
@@ -235,13 +246,25 @@ def bench(
             dbos_sqlite,
             out,
             match_time=match_time,
-            dbos_concurrency=dbos_concurrency,
+            dbos_concurrency=dbos_in_flight,
         )
     data["environment"] = environment
     if json_path is not None:
         json_path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
     if not ok:
         raise typer.Exit(1)
+
+
+def _dbos_in_flight(value: str) -> int | Literal["auto", False]:
+    """``--dbos-concurrency``'s value: a number of workflows in flight, ``"auto"``, or
+    ``False`` when it is neither."""
+    if value.strip().lower() == "auto":
+        return "auto"
+    try:
+        number = int(value)
+    except ValueError:
+        return False
+    return number if 1 <= number <= MAX_IN_FLIGHT else False
 
 
 def _server(ms: float | None) -> str:
@@ -262,23 +285,30 @@ def _compare(
     out: Console,
     *,
     match_time: bool = False,
-    dbos_concurrency: int | None = None,
+    dbos_concurrency: int | Literal["auto"] | None = None,
 ) -> tuple[dict[str, Any], bool]:
     """Ours, then DBOS's, ``pairs`` times in this process; the ratio printed per pair.
     ``match_time``: our half's size follows DBOS's last half (:func:`matched_sagas`).
-    ``dbos_concurrency``: DBOS's workflows in flight (``None``: as ours). Why apart: the two
-    engines are fastest at different settings (on PostgreSQL DBOS peaks near 4 in flight, ours
-    near 16), and the issue's target is against DBOS in its fastest settings."""
-    theirs_in_flight = dbos_concurrency or config.concurrency
-    in_flight = f"C={config.concurrency}"
-    if theirs_in_flight != config.concurrency:
-        in_flight += f" vs DBOS C={theirs_in_flight}"
+    ``dbos_concurrency``: DBOS's workflows in flight (``None``: as ours; ``"auto"``: the
+    fastest of a sweep of DBOS alone, :func:`~fault_injection.bench_dbos.sweep_dbos`). Why
+    apart: the two engines are fastest at different settings (on PostgreSQL DBOS peaks near 4
+    in flight, ours near 16), and the issue's target is against DBOS in its fastest settings."""
     from fault_injection.bench_dbos import ComparePair, compare_json, matched_sagas, run_dbos
     from fault_injection.cli import run_job
 
+    tuning: SqliteTuning = "fast" if dbos_sqlite == "fast" else "default"
     done: list[ComparePair] = []
     ours_sagas = config.sagas
     with tempfile.TemporaryDirectory(prefix="bench-dbos-") as tmp:
+        sweep = None
+        if dbos_concurrency == "auto":
+            sweep = _sweep(config, db, Path(tmp), tuning, out)
+            theirs_in_flight = sweep.fastest
+        else:
+            theirs_in_flight = dbos_concurrency or config.concurrency
+        in_flight = f"C={config.concurrency}"
+        if theirs_in_flight != config.concurrency:
+            in_flight += f" vs DBOS C={theirs_in_flight}"
         for i in range(pairs):
             start = read_cpu_times()
             ours = run_job(run_bench(dataclasses.replace(config, sagas=ours_sagas), db=db))
@@ -289,7 +319,7 @@ def _compare(
                 sagas=config.sagas,
                 concurrency=theirs_in_flight,
                 warmup=config.warmup,
-                sqlite_tuning="fast" if dbos_sqlite == "fast" else "default",
+                sqlite_tuning=tuning,
             )
             pair = ComparePair(
                 ours,
@@ -321,7 +351,41 @@ def _compare(
         f"{data['dbos_sagas_per_s']:,.1f} workflows/s · ratio {data['ratio_vs_dbos']:.2f}x"
     )
     out.print(_median_interval_line(data))
+    data["dbos_concurrency_sweep"] = None if sweep is None else sweep.as_json()
+    if sweep is not None and sweep.problems:
+        data["dbos_check_ok"] = data["check_ok"] = False
     return data, bool(data["check_ok"])
+
+
+def _sweep(
+    config: BenchConfig, db: str | None, workdir: Path, tuning: SqliteTuning, out: Console
+) -> DbosSweep:
+    """``--dbos-concurrency auto``: DBOS alone at each setting, printed as it goes; the
+    pairs then give DBOS the fastest."""
+    from fault_injection.bench_dbos import SWEEP_ROUNDS, SWEEP_SAGAS, sweep_dbos
+
+    sagas = min(config.sagas, SWEEP_SAGAS)
+    out.print(
+        f"DBOS alone first, to find its fastest setting ({sagas:,} workflows a run, "
+        f"{SWEEP_ROUNDS} rounds):"
+    )
+
+    def show(round_: int, concurrency: int, result: DbosResult) -> None:
+        out.print(
+            f"  round {round_ + 1} · DBOS C={concurrency}: {result.sagas_per_s:,.1f} workflows/s "
+            f"({result.cpu_ms_per_saga:.1f} ms CPU{_server(result.server_cpu_ms_per_saga)})"
+        )
+
+    sweep = sweep_dbos(
+        db, workdir, sagas=sagas, warmup=config.warmup, sqlite_tuning=tuning, on_run=show
+    )
+    means = " · ".join(
+        f"C={c} {statistics.fmean(rates):,.1f}" for c, rates in sorted(sweep.rates.items())
+    )
+    out.print(f"DBOS's fastest here: C={sweep.fastest} (mean workflows/s: {means})")
+    for problem in sweep.problems:
+        out.print(f"  [red]check FAILED[/]: {problem}")
+    return sweep
 
 
 def _median_interval_line(data: dict[str, Any]) -> str:

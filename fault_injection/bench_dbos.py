@@ -311,6 +311,78 @@ def run_dbos(
     )
 
 
+#: What ``--dbos-concurrency auto`` tries. DBOS was fastest at 1 in flight (SQLite) or 4
+#: (PostgreSQL) on every machine measured, and only slower past 16 (``docs/benchmarks.md``,
+#: "Each engine at its fastest setting"); 32 is there to show that on a machine of its own.
+SWEEP_CONCURRENCY: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+#: Workflows each sweep run measures, at most (after its warm-up): enough to rank the settings,
+#: few enough that the sweep takes about a minute at DBOS's rates.
+SWEEP_SAGAS = 300
+#: Rounds of the sweep. Each round tries every setting once, so a drift of the machine's speed
+#: during the sweep reaches every setting alike instead of the last ones tried.
+SWEEP_ROUNDS = 2
+
+
+@dataclass(frozen=True, slots=True)
+class DbosSweep:
+    """DBOS alone at each concurrency, round after round (:func:`sweep_dbos`)."""
+
+    #: Workflows/s of each run, by concurrency, in round order.
+    rates: dict[int, list[float]]
+    #: Workflows each run measured.
+    sagas: int
+    #: What DBOS's own checker found wrong in any run.
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def fastest(self) -> int:
+        """The concurrency of the highest mean rate (the lowest such one on a tie)."""
+        return max(sorted(self.rates), key=lambda c: statistics.fmean(self.rates[c]))
+
+    def as_json(self) -> dict[str, Any]:
+        """The JSON's ``dbos_concurrency_sweep``."""
+        return {
+            "sagas": self.sagas,
+            "fastest": self.fastest,
+            "runs": [
+                {"concurrency": c, "workflows_per_s": list(self.rates[c])}
+                for c in sorted(self.rates)
+            ],
+        }
+
+
+def sweep_dbos(
+    db: str | None,
+    workdir: Path,
+    *,
+    sagas: int,
+    warmup: int,
+    sqlite_tuning: SqliteTuning,
+    concurrencies: tuple[int, ...] = SWEEP_CONCURRENCY,
+    rounds: int = SWEEP_ROUNDS,
+    on_run: Callable[[int, int, DbosResult], None] | None = None,
+) -> DbosSweep:
+    """Run DBOS alone at each of ``concurrencies``, ``rounds`` times over, on the database
+    ``run_dbos`` gives each run; ``on_run(round, concurrency, result)`` after each.
+
+    Why: the issue's target is against "DBOS in its fastest settings", and which setting is
+    fastest depends on the backend and the machine (sequential on SQLite, 4 in flight on
+    PostgreSQL where we measured). ``bench --dbos-concurrency auto`` then runs DBOS's half of
+    every pair at :attr:`DbosSweep.fastest` instead of a number the caller had to know."""
+    rates: dict[int, list[float]] = {c: [] for c in concurrencies}
+    problems: list[str] = []
+    for round_ in range(rounds):
+        for c in concurrencies:
+            result = run_dbos(
+                db, workdir, sagas=sagas, concurrency=c, warmup=warmup, sqlite_tuning=sqlite_tuning
+            )
+            rates[c].append(result.sagas_per_s)
+            problems += [f"DBOS alone at C={c}: {problem}" for problem in result.problems]
+            if on_run is not None:
+                on_run(round_, c, result)
+    return DbosSweep(rates=rates, sagas=sagas, problems=problems)
+
+
 #: ``--match-time``: our half never runs more than this many times ``--sagas``.
 MATCH_CAP = 20
 
@@ -388,11 +460,14 @@ def compare_json(pairs: list[ComparePair]) -> dict[str, Any]:
 
 
 __all__ = [
+    "SWEEP_CONCURRENCY",
     "ComparePair",
     "DbosResult",
+    "DbosSweep",
     "DictShop",
     "SqliteTuning",
     "compare_json",
     "dbos_available",
     "run_dbos",
+    "sweep_dbos",
 ]

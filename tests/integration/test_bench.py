@@ -12,6 +12,7 @@ import json
 import logging
 import platform
 import sqlite3
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,13 @@ from typer.testing import CliRunner, Result
 from fault_injection import bench_steady
 from fault_injection.bench import BenchConfig, run_bench
 from fault_injection.bench_cli import app
-from fault_injection.bench_dbos import MATCH_CAP, dbos_available, matched_sagas
+from fault_injection.bench_dbos import (
+    MATCH_CAP,
+    SWEEP_CONCURRENCY,
+    SWEEP_ROUNDS,
+    dbos_available,
+    matched_sagas,
+)
 from fault_injection.bench_driver import raw_commit_rate
 from fault_injection.bench_environment import describe, package_version
 from fault_injection.contract_checks import check_provider_contract
@@ -238,6 +245,18 @@ def test_bench_cli_refuses_bad_mode_combinations(args: list[str]) -> None:
     assert got.exit_code == 2, got.output
 
 
+@pytest.mark.parametrize("value", ["fast", "0", "1025", "4.5", ""])
+def test_bench_cli_refuses_a_dbos_concurrency_that_is_neither_a_number_nor_auto(
+    value: str,
+) -> None:
+    got = CliRunner().invoke(
+        app, ["--sagas", "1", "--compare", "dbos", "--dbos-concurrency", value]
+    )
+    assert got.exit_code == 2, got.output
+    assert "--dbos-concurrency must be a number from 1 to 1024, or auto" in got.output
+    assert "Traceback" not in got.output
+
+
 async def test_bench_over_http_counts_commits_and_effects(db_urls: DbUrls) -> None:
     """The fake shop served by its own process; every provider call is a real HTTP request."""
     config = BenchConfig(sagas=10, concurrency=2, provider="http", warmup=1, driver_seconds=0.1)
@@ -370,6 +389,41 @@ def test_bench_cli_runs_dbos_at_its_own_concurrency(tmp_path: Path) -> None:
     assert data["concurrency"] == data["pairs"][0]["concurrency"] == 1
     assert data["dbos_concurrency"] == data["pairs"][0]["dbos_concurrency"] == 3
     assert data["check_ok"] is True
+
+
+@pytest.mark.skipif(not dbos_available(), reason="dbos is not installed (extra: bench)")
+@pytest.mark.usefixtures("dbos_console")
+def test_bench_cli_finds_dboss_fastest_setting_first(tmp_path: Path) -> None:
+    """``--dbos-concurrency auto``: DBOS alone at every setting of the sweep, each round, then
+    the pairs at the setting of the highest mean rate; the output and the JSON say which."""
+    # Ours at 3, a setting the sweep never tries: DBOS's half cannot run at it by mistake.
+    got, data = _compare_dbos(
+        tmp_path, "--pairs", "1", "--concurrency", "3", "--dbos-concurrency", "auto"
+    )
+    sweep = data["dbos_concurrency_sweep"]
+    assert sweep["sagas"] == 5
+    assert [run["concurrency"] for run in sweep["runs"]] == list(SWEEP_CONCURRENCY)
+    for run in sweep["runs"]:
+        assert len(run["workflows_per_s"]) == SWEEP_ROUNDS
+        assert all(rate > 0 for rate in run["workflows_per_s"])
+    means = {run["concurrency"]: statistics.fmean(run["workflows_per_s"]) for run in sweep["runs"]}
+    assert sweep["fastest"] == max(means, key=lambda c: (means[c], -c))
+    # The pairs ran DBOS at the setting the sweep found, and said so.
+    assert data["dbos_concurrency"] == data["pairs"][0]["dbos_concurrency"] == sweep["fastest"]
+    assert f"DBOS's fastest here: C={sweep['fastest']}" in got.output
+    assert f"pair 1/1 · sqlite · C=3 vs DBOS C={sweep['fastest']}:" in got.output
+    assert got.output.count("· DBOS C=") == len(SWEEP_CONCURRENCY) * SWEEP_ROUNDS
+    assert data["check_ok"] is True
+
+
+@pytest.mark.skipif(not dbos_available(), reason="dbos is not installed (extra: bench)")
+@pytest.mark.usefixtures("dbos_console")
+def test_bench_cli_json_says_no_sweep_ran_without_auto(tmp_path: Path) -> None:
+    """Without ``auto`` the key is there, and empty: a reader can tell a chosen setting from a
+    found one."""
+    _got, data = _compare_dbos(tmp_path, "--pairs", "1", "--dbos-concurrency", "2")
+    assert data["dbos_concurrency_sweep"] is None
+    assert data["dbos_concurrency"] == 2
 
 
 @pytest.mark.parametrize(
