@@ -14,24 +14,7 @@ import pytest
 
 from fault_injection import bench_dbos
 from fault_injection.bench_dbos import DbosResult, DbosSweep, sweep_dbos
-
-
-def _result(concurrency: int, per_s: float, problems: list[str] | None = None) -> DbosResult:
-    return DbosResult(
-        backend="sqlite",
-        sagas=10,
-        concurrency=concurrency,
-        settings="WAL",
-        sagas_per_s=per_s,
-        p50_ms=1.0,
-        p99_ms=2.0,
-        commits_per_saga=8.0,
-        statements_per_saga=16.0,
-        cpu_ms_per_saga=10.0,
-        elapsed_s=1.0,
-        check_ok=not problems,
-        problems=problems or [],
-    )
+from tests.support.dbos_results import dbos_result
 
 
 def test_the_fastest_is_the_highest_mean_not_the_highest_run() -> None:
@@ -69,7 +52,8 @@ def test_the_sweep_runs_every_setting_each_round_and_picks_the_fastest(
         assert (kwargs["sagas"], kwargs["warmup"], kwargs["sqlite_tuning"]) == (50, 5, "fast")
         c = kwargs["concurrency"]
         calls.append((len(calls), c))
-        return _result(c, speed[c] + len(calls) / 100)  # each run a little apart
+        # Each run a little apart from the last, as real runs are.
+        return dbos_result(concurrency=c, per_s=speed[c] + len(calls) / 100)
 
     monkeypatch.setattr(bench_dbos, "run_dbos", fake_run_dbos)
     seen: list[tuple[int, int]] = []
@@ -96,7 +80,8 @@ def test_what_dboss_checker_found_in_a_sweep_run_is_kept(
 ) -> None:
     def fake_run_dbos(db: str | None, workdir: Path, **kwargs: Any) -> DbosResult:
         c = kwargs["concurrency"]
-        return _result(c, 100.0, ["charge: 2 effects for 1 workflows"] if c == 2 else None)
+        problems = ["charge: 2 effects for 1 workflows"] if c == 2 else None
+        return dbos_result(concurrency=c, per_s=100.0, problems=problems)
 
     monkeypatch.setattr(bench_dbos, "run_dbos", fake_run_dbos)
     sweep = sweep_dbos(

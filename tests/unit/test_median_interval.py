@@ -15,8 +15,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fault_injection.bench_dbos import ComparePair, DbosResult, compare_json
+from fault_injection.bench_dbos import ComparePair, compare_json
 from fault_injection.median_interval import median_interval
+from tests.support.dbos_results import dbos_result
 
 
 @pytest.mark.parametrize(
@@ -90,21 +91,7 @@ def _pair(ours_per_s: float, dbos_per_s: float, dbos_concurrency: int = 16) -> C
         check=check,
         as_json=lambda: {"sagas_per_s": ours_per_s},
     )
-    dbos = DbosResult(
-        backend="sqlite",
-        sagas=100,
-        concurrency=dbos_concurrency,
-        settings="WAL",
-        sagas_per_s=dbos_per_s,
-        p50_ms=1.0,
-        p99_ms=2.0,
-        commits_per_saga=8.0,
-        statements_per_saga=16.0,
-        cpu_ms_per_saga=10.0,
-        elapsed_s=1.0,
-        check_ok=True,
-    )
-    return ComparePair(ours, dbos)
+    return ComparePair(ours, dbos_result(concurrency=dbos_concurrency, per_s=dbos_per_s))
 
 
 def test_the_bench_json_carries_the_interval_from_six_pairs_on() -> None:
