@@ -423,6 +423,7 @@ def test_bench_cli_json_says_no_sweep_ran_without_auto(tmp_path: Path) -> None:
     found one."""
     _got, data = _compare_dbos(tmp_path, "--pairs", "1", "--dbos-concurrency", "2")
     assert data["dbos_concurrency_sweep"] is None
+    assert data["match_time_pilot"] is None  # nor a pilot, without --match-time
     assert data["dbos_concurrency"] == 2
 
 
@@ -506,8 +507,14 @@ async def test_steady_workload_runs_every_saga_once(db_urls: DbUrls) -> None:
 @pytest.mark.usefixtures("dbos_console")
 def test_bench_cli_match_time_sizes_our_half_from_dboss_last(tmp_path: Path) -> None:
     got, data = _compare_dbos(tmp_path, "--pairs", "2", "--match-time")
+    # A pilot pair, not counted, sizes the first counted pair: every counted pair is matched.
+    pilot = data["match_time_pilot"]
+    assert pilot["sagas"] == pilot["dbos_sagas"] == 5 and pilot["check_ok"] is True
+    assert "pilot (not counted; sizes the first pair)" in got.output
+    assert len(data["pairs"]) == 2 and "pair 2/2" in got.output
     first, second = data["pairs"]
-    assert first["sagas"] == 5  # nothing to match yet
+    expected_first = matched_sagas(5, pilot["dbos_elapsed_s"], pilot["sagas_per_s"])
+    assert abs(first["sagas"] - expected_first) <= 1
     assert second["dbos_sagas"] == 5  # DBOS's half keeps --sagas
     # Our second half is sized to last as long as DBOS's first did, at our first half's rate
     # (within one saga: the JSON's rates are rounded through a division). Computed from the
