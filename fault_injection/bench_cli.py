@@ -163,6 +163,7 @@ def bench(
     dbos_concurrency: Annotated[
         str | None,
         typer.Option(
+            metavar="K|auto",
             help="With --compare: DBOS's workflows in flight (default: --concurrency), so that "
             "each engine can run at its own fastest setting; auto: run DBOS alone at 1 to 32 "
             "first and take its fastest.",
