@@ -335,9 +335,15 @@ class DbosSweep:
     problems: list[str] = field(default_factory=list)
 
     @property
+    def means(self) -> dict[int, float]:
+        """Each concurrency's mean workflows/s over the rounds, in ascending concurrency."""
+        return {c: statistics.fmean(self.rates[c]) for c in sorted(self.rates)}
+
+    @property
     def fastest(self) -> int:
         """The concurrency of the highest mean rate (the lowest such one on a tie)."""
-        return max(sorted(self.rates), key=lambda c: statistics.fmean(self.rates[c]))
+        means = self.means
+        return max(means, key=means.__getitem__)
 
     def as_json(self) -> dict[str, Any]:
         """The JSON's ``dbos_concurrency_sweep``."""
