@@ -20,13 +20,14 @@ import pytest
 import sqlalchemy
 from typer.testing import CliRunner, Result
 
-from fault_injection import bench_steady
+from fault_injection import bench_dbos, bench_steady
 from fault_injection.bench import BenchConfig, run_bench
 from fault_injection.bench_cli import app
 from fault_injection.bench_dbos import (
     MATCH_CAP,
     SWEEP_CONCURRENCY,
     SWEEP_ROUNDS,
+    DbosResult,
     dbos_available,
     matched_sagas,
 )
@@ -40,7 +41,8 @@ from ledger import dialects
 from ledger.store import StoreStats
 from providers.contract import Confirmed, FencedOut, Rejected
 from providers.memory import MemoryShop
-from tests.conftest import DbUrls, pg_connect
+from tests.conftest import DbUrls, pg_admin_url, pg_connect
+from tests.support.dbos_results import dbos_result
 
 #: 2 steps + 1 outbox event.
 MAX_COMMITS_PER_SAGA = 2 + 3
@@ -343,25 +345,29 @@ def dbos_console(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(logging.getLogger("dbos"), "handlers", [])
 
 
-def _compare_dbos(tmp_path: Path, *flags: str) -> tuple[Result, dict[str, Any]]:
-    """``agent-txn bench --compare dbos`` at its smallest (5 sagas a half), with ``flags``;
-    its output and its JSON, once it exited 0."""
+def _compare_dbos(
+    tmp_path: Path, *flags: str, backend: str = "sqlite", exit_code: int = 0
+) -> tuple[Result, dict[str, Any]]:
+    """``agent-txn bench --compare dbos`` at its smallest (5 sagas a half), with ``flags``, on
+    fresh SQLite files or fresh databases of the test server; its output and its JSON, once it
+    exited with ``exit_code``."""
     out = tmp_path / "bench.json"
+    db = ["--db", pg_admin_url()] if backend == "postgres" else []
     got = CliRunner().invoke(
         app,
         [
             *("--compare", "dbos", "--sagas", "5", "--warmup", "1", "--driver-seconds", "0.1"),
-            *("--json", str(out), *flags),
+            *("--json", str(out), *db, *flags),
         ],
     )
-    assert got.exit_code == 0, got.output
+    assert got.exit_code == exit_code, got.output
     return got, json.loads(out.read_text())
 
 
 @pytest.mark.skipif(not dbos_available(), reason="dbos is not installed (extra: bench)")
 @pytest.mark.usefixtures("dbos_console")
-def test_bench_cli_compare_dbos_writes_ratio(tmp_path: Path) -> None:
-    got, data = _compare_dbos(tmp_path, "--pairs", "1")
+def test_bench_cli_compare_dbos_writes_ratio(tmp_path: Path, backend: str) -> None:
+    got, data = _compare_dbos(tmp_path, "--pairs", "1", backend=backend)
     assert "pair 1/1" in got.output and "ratio" in got.output
     for key in (*STABLE_KEYS, "dbos_sagas_per_s", "ratio_vs_dbos"):
         assert key in data, key
@@ -371,9 +377,16 @@ def test_bench_cli_compare_dbos_writes_ratio(tmp_path: Path) -> None:
     )
     assert data["check_ok"] is True
     assert data["pairs"][0]["sagas"] == data["pairs"][0]["dbos_sagas"] == 5
-    # SQLite: no server process to read, on either side
-    assert data["server_cpu_ms_per_saga"] is None and data["dbos_server_cpu_ms_per_saga"] is None
-    assert ", server " not in got.output
+    assert data["backend"] == backend
+    if backend == "sqlite":  # no server process to read, on either side
+        assert data["server_cpu_ms_per_saga"] is None
+        assert data["dbos_server_cpu_ms_per_saga"] is None
+        assert ", server " not in got.output
+    elif is_local_postgres(pg_admin_url()):
+        # The server's CPU, read for each half (/proc counts in clock ticks: five workflows may
+        # take less than one, so zero is a reading too).
+        assert data["server_cpu_ms_per_saga"] >= 0 and data["dbos_server_cpu_ms_per_saga"] >= 0
+        assert got.output.count(", server ") == 2
     if read_cpu_times() is not None:  # Linux: each half's stolen share is reported
         assert "steal " in got.output
         for key in ("steal_share", "dbos_steal_share"):
@@ -393,12 +406,19 @@ def test_bench_cli_runs_dbos_at_its_own_concurrency(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(not dbos_available(), reason="dbos is not installed (extra: bench)")
 @pytest.mark.usefixtures("dbos_console")
-def test_bench_cli_finds_dboss_fastest_setting_first(tmp_path: Path) -> None:
+def test_bench_cli_finds_dboss_fastest_setting_first(tmp_path: Path, backend: str) -> None:
     """``--dbos-concurrency auto``: DBOS alone at every setting of the sweep, each round, then
     the pairs at the setting of the highest mean rate; the output and the JSON say which."""
     # Ours at 3, a setting the sweep never tries: DBOS's half cannot run at it by mistake.
     got, data = _compare_dbos(
-        tmp_path, "--pairs", "1", "--concurrency", "3", "--dbos-concurrency", "auto"
+        tmp_path,
+        "--pairs",
+        "1",
+        "--concurrency",
+        "3",
+        "--dbos-concurrency",
+        "auto",
+        backend=backend,
     )
     sweep = data["dbos_concurrency_sweep"]
     assert sweep["sagas"] == 5
@@ -411,9 +431,50 @@ def test_bench_cli_finds_dboss_fastest_setting_first(tmp_path: Path) -> None:
     # The pairs ran DBOS at the setting the sweep found, and said so.
     assert data["dbos_concurrency"] == data["pairs"][0]["dbos_concurrency"] == sweep["fastest"]
     assert f"DBOS's fastest here: C={sweep['fastest']}" in got.output
-    assert f"pair 1/1 · sqlite · C=3 vs DBOS C={sweep['fastest']}:" in got.output
+    assert f"pair 1/1 · {backend} · C=3 vs DBOS C={sweep['fastest']}:" in got.output
     assert got.output.count("· DBOS C=") == len(SWEEP_CONCURRENCY) * SWEEP_ROUNDS
     assert data["check_ok"] is True
+
+
+def _dbos_failing_on(monkeypatch: pytest.MonkeyPatch, failing_call: int) -> list[tuple[int, int]]:
+    """DBOS's runs stood in for (``bench_dbos.run_dbos``): the ``failing_call``-th run's
+    checker reports a double charge, every other run passes. Returns the calls made,
+    (number, concurrency)."""
+    calls: list[tuple[int, int]] = []
+
+    def run_dbos(db: str | None, workdir: Path, **kwargs: Any) -> DbosResult:
+        calls.append((len(calls), kwargs["concurrency"]))
+        problems = ["charge: 2 effects for 1 workflows"] if len(calls) == failing_call else None
+        return dbos_result(concurrency=kwargs["concurrency"], per_s=100.0, problems=problems)
+
+    monkeypatch.setattr(bench_dbos, "run_dbos", run_dbos)
+    return calls
+
+
+@pytest.mark.skipif(not dbos_available(), reason="dbos is not installed (extra: bench)")
+def test_bench_cli_fails_when_dboss_checker_fails_in_the_sweep(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sweep run is not a pair, and its checker still counts: exit 1, the problem printed."""
+    calls = _dbos_failing_on(monkeypatch, failing_call=3)
+    got, data = _compare_dbos(tmp_path, "--pairs", "1", "--dbos-concurrency", "auto", exit_code=1)
+    assert len(calls) == len(SWEEP_CONCURRENCY) * SWEEP_ROUNDS + 1  # the sweep, then the pair
+    assert "check FAILED: DBOS alone at C=4: charge: 2 effects for 1 workflows" in got.output
+    assert data["dbos_check_ok"] is False and data["check_ok"] is False
+    assert data["pairs"][0]["ratio_vs_dbos"] > 0  # the pairs still ran and were reported
+
+
+@pytest.mark.skipif(not dbos_available(), reason="dbos is not installed (extra: bench)")
+def test_bench_cli_fails_when_a_checker_fails_in_the_pilot_pair(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pilot pair of ``--match-time`` is not counted, and its checker still counts."""
+    calls = _dbos_failing_on(monkeypatch, failing_call=1)
+    got, data = _compare_dbos(tmp_path, "--pairs", "1", "--match-time", exit_code=1)
+    assert len(calls) == 2  # the pilot, then the one counted pair
+    assert "check FAILED: charge: 2 effects for 1 workflows" in got.output
+    assert data["match_time_pilot"]["check_ok"] is False
+    assert data["dbos_check_ok"] is False and data["check_ok"] is False
 
 
 @pytest.mark.skipif(not dbos_available(), reason="dbos is not installed (extra: bench)")
@@ -505,8 +566,8 @@ async def test_steady_workload_runs_every_saga_once(db_urls: DbUrls) -> None:
 
 @pytest.mark.skipif(not dbos_available(), reason="dbos is not installed (extra: bench)")
 @pytest.mark.usefixtures("dbos_console")
-def test_bench_cli_match_time_sizes_our_half_from_dboss_last(tmp_path: Path) -> None:
-    got, data = _compare_dbos(tmp_path, "--pairs", "2", "--match-time")
+def test_bench_cli_match_time_sizes_our_half_from_dboss_last(tmp_path: Path, backend: str) -> None:
+    got, data = _compare_dbos(tmp_path, "--pairs", "2", "--match-time", backend=backend)
     # A pilot pair, not counted, sizes the first counted pair: every counted pair is matched.
     pilot = data["match_time_pilot"]
     assert pilot["sagas"] == pilot["dbos_sagas"] == 5 and pilot["check_ok"] is True
