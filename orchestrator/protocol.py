@@ -17,10 +17,9 @@ provider's answer or an operator does.
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import structlog
 
@@ -29,6 +28,7 @@ from ledger.effects import Claim
 from ledger.errors import LeaseLost
 from ledger.frozen import quick_init
 from ledger.states import EffectState
+from orchestrator.bounded import bounded
 from orchestrator.crashpoints import CrashPoints
 from orchestrator.logging import info_enabled
 from providers.contract import (
@@ -44,7 +44,6 @@ from providers.contract import (
 )
 
 log = structlog.get_logger(__name__)
-T = TypeVar("T")
 
 
 @quick_init
@@ -72,11 +71,6 @@ def echo_mismatches(contract: ActionContract, payload: Any, result: Any) -> list
     if not isinstance(payload, Mapping) or not isinstance(result, Mapping):
         return list(contract.echo_fields)
     return [f for f in contract.echo_fields if f in payload and result.get(f) != payload.get(f)]
-
-
-async def _bounded(call: Awaitable[T], seconds: float) -> T:
-    async with asyncio.timeout(seconds):
-        return await call
 
 
 def _safe_reason(value: str) -> str:
@@ -129,7 +123,7 @@ async def decide(
             crashpoints.hit("effect.before_lookup", **ctx)
             lookups += 1
             try:
-                answer = await _bounded(
+                answer = await bounded(
                     provider.lookup(
                         claim.action, key=claim.key, payload=payload, void_if_missing=void
                     ),
@@ -211,7 +205,7 @@ async def decide(
     if on_apply is not None:
         on_apply()
     try:
-        outcome = await _bounded(
+        outcome = await bounded(
             provider.apply(claim.action, key=claim.key, payload=payload, fence=claim.fence),
             call_timeout,
         )
