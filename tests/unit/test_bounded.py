@@ -37,6 +37,22 @@ async def _waits(seconds: float, value: str = "late") -> str:
     return value
 
 
+class _Hangs:
+    """A call that waits far past any deadline here, and notes when it began and cleaned up."""
+
+    def __init__(self) -> None:
+        self.entered = asyncio.Event()
+        self.cleaned = False
+
+    async def call(self) -> str:
+        self.entered.set()
+        try:
+            await asyncio.sleep(30)
+        finally:
+            self.cleaned = True
+        return "never"
+
+
 async def test_a_call_that_never_waits_arms_no_timer() -> None:
     counter = _TimerCount(asyncio.get_running_loop())
     assert await bounded(_answers_at_once(), 5.0) == "done"
@@ -50,20 +66,12 @@ async def test_a_call_that_waits_is_bounded_by_a_timer_and_answers_in_time() -> 
 
 
 async def test_a_call_past_its_deadline_raises_timeout_and_runs_its_cleanup() -> None:
-    cleaned: list[str] = []
-
-    async def hangs() -> str:
-        try:
-            await asyncio.sleep(30)
-        finally:
-            cleaned.append("finally")
-        return "never"
-
+    hangs = _Hangs()
     started = time.monotonic()
     with pytest.raises(TimeoutError):
-        await bounded(hangs(), 0.05)
+        await bounded(hangs.call(), 0.05)
     assert time.monotonic() - started < 10
-    assert cleaned == ["finally"]
+    assert hangs.cleaned
     task = asyncio.current_task()
     assert task is not None and task.cancelling() == 0  # the deadline's cancel was taken back
 
@@ -107,26 +115,17 @@ async def test_the_calls_own_error_comes_through(waits_first: bool) -> None:
 
 
 async def test_the_callers_cancellation_is_a_cancellation_not_a_timeout() -> None:
-    cleaned: list[str] = []
-    entered = asyncio.Event()
-
-    async def hangs() -> str:
-        entered.set()
-        try:
-            await asyncio.sleep(30)
-        finally:
-            cleaned.append("finally")
-        return "never"
+    hangs = _Hangs()
 
     async def caller() -> str:
-        return await bounded(hangs(), 30.0)
+        return await bounded(hangs.call(), 30.0)
 
     task = asyncio.create_task(caller())
-    await entered.wait()
+    await hangs.entered.wait()
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    assert cleaned == ["finally"]
+    assert hangs.cleaned
 
 
 async def test_a_call_that_handles_the_deadlines_cancel_returns_what_it_returns() -> None:
@@ -165,22 +164,15 @@ async def test_values_a_task_never_sends_still_reach_the_call() -> None:
 
 
 async def test_closing_the_caller_mid_call_closes_the_call() -> None:
-    cleaned: list[str] = []
-
-    async def hangs() -> str:
-        try:
-            await asyncio.sleep(30)
-        finally:
-            cleaned.append("finally")
-        return "never"
+    hangs = _Hangs()
 
     async def caller() -> str:
-        return await bounded(hangs(), 30.0)
+        return await bounded(hangs.call(), 30.0)
 
     coro = caller()
     coro.send(None)  # into the call's sleep, inside this task
     coro.close()
-    assert cleaned == ["finally"]
+    assert hangs.cleaned
 
 
 @pytest.mark.parametrize("answers", [True, False])
