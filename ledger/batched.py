@@ -91,10 +91,11 @@ class PendingWrite:
     rows: int = 1
 
 
-def composable(compiled: Compiled) -> bool:
-    """Whether a compiled statement can be one CTE of the combined statement: its SQL carries
-    no literal (placeholders are renumbered textually, so no ``$n`` may hide in a string)."""
-    return "'" not in compiled.sql and compiled.sql.startswith(("INSERT", "UPDATE", "DELETE"))
+def composable(sql: str) -> bool:
+    """Whether a compiled statement's ``sql`` can be one CTE of the combined statement: it
+    carries no literal (placeholders are renumbered textually, so no ``$n`` may hide in a
+    string). Decided once per compiled statement (:attr:`ledger.hot.Compiled.composable`)."""
+    return "'" not in sql and sql.startswith(("INSERT", "UPDATE", "DELETE"))
 
 
 def _renumbered(sql: str, offset: int) -> str:

@@ -60,6 +60,9 @@ class Compiled:
     #: :func:`_slots` resolved, through :func:`_builder`). ``None`` when a bound value is
     #: computed per execution (``bindparam(callable_=…)``): then SQLAlchemy builds them.
     build: Callable[[Mapping[str, Any]], tuple[Any, ...]] | None
+    #: Whether it can be one CTE of a combined statement (:func:`ledger.batched.composable`):
+    #: asked of every held-back write, a dozen a saga, so answered once here.
+    composable: bool = False
 
     def arguments(self, params: Mapping[str, Any]) -> tuple[Any, ...]:
         if self.build is not None:
@@ -146,7 +149,8 @@ def _compile(stmt: Executable, dialect: Dialect, keys: tuple[str, ...]) -> Compi
     procs = tuple(processors.get(n) for n in names)
     slots = _slots(compiled, names, procs, keys)
     build = None if slots is None else _builder(slots)
-    return Compiled(compiled.string, compiled, names, procs, build)
+    sql = compiled.string
+    return Compiled(sql, compiled, names, procs, build, batched.composable(sql))
 
 
 class HotPath:
@@ -199,7 +203,7 @@ class HotPath:
             return None
         if isinstance(driver, InlineConnection):
             return compiled
-        return compiled if batched.composable(compiled) else None
+        return compiled if compiled.composable else None
 
     async def send(
         self, conn: AsyncConnection, writes: Sequence[batched.PendingWrite], *, final: bool

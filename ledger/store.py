@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import itertools
 import os
 import sqlite3
 import time
@@ -305,7 +306,7 @@ class Work:
         if rows:
             compiled = self._batchable(insert_row, tuple(rows[0]))
             if compiled is not None:
-                args = tuple(a for r in rows for a in compiled.arguments(r))
+                args = tuple(itertools.chain.from_iterable(map(compiled.arguments, rows)))
                 self._pending.append(PendingWrite(compiled, args, None, None, rows=len(rows)))
                 rows = []
         if rows:

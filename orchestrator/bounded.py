@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Coroutine, Generator
+from types import CoroutineType
 from typing import Any, TypeVar, cast
 
 T = TypeVar("T")
@@ -37,7 +38,8 @@ class _Bounded(Awaitable[T]):
 
     def __await__(self) -> Generator[Any, Any, T]:
         call = self._call
-        if not isinstance(call, Coroutine):
+        # ``async def`` methods give a CoroutineType: a plain type test, before the ABC's.
+        if type(call) is not CoroutineType and not isinstance(call, Coroutine):
             # A future or another awaitable: no first step to take here.
             return (yield from _with_timer(call, self._seconds).__await__())
         loop = asyncio.get_running_loop()
