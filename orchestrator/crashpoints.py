@@ -79,6 +79,13 @@ class CrashPoints:
         else:
             self._armed.pop(point, None)
 
+    @property
+    def armed(self) -> bool:
+        """Whether any point is armed. The engine's hot call sites ask this before they build
+        a hit's context: about sixteen hits a saga, each a keyword dict, on every saga of an
+        engine whose points are never armed (``docs/benchmarks-log.md``, item 64)."""
+        return bool(self._armed)
+
     def hit(self, point: str, **ctx: Any) -> None:
         """Called by the engine at ``point``; fires if armed and matching."""
         arming = self._armed.get(point)

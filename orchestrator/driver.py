@@ -119,7 +119,8 @@ class SagaRun:
             if claim is None:
                 async with store.transaction() as work:
                     claim = await self._advance(work, eager=eager)
-                    crash.hit("record.before_commit", tx_id=self.tx_id, kind="advance")
+                    if crash.armed:
+                        crash.hit("record.before_commit", tx_id=self.tx_id, kind="advance")
             else:
                 try:
                     decision = await self._decide(claim)
@@ -144,8 +145,10 @@ class SagaRun:
                         claim = None
                     else:
                         claim = await self._advance(work, eager=eager)
-                    crash.hit("record.before_commit", **self._ctx_of(claim, decision))
-                crash.hit("record.after_commit", tx_id=self.tx_id, kind="record")
+                    if crash.armed:
+                        crash.hit("record.before_commit", **self._ctx_of(claim, decision))
+                if crash.armed:
+                    crash.hit("record.after_commit", tx_id=self.tx_id, kind="record")
             self._after_commit_milestones()
             if claim is None:
                 return
@@ -647,7 +650,8 @@ class SagaRun:
             planned_effect(EffectKind.OUTBOX, n, claim if i == 0 else None)
             for i, n in enumerate(planned)
         ]
-        self.services.crashpoints.hit("commit.before_commit", tx_id=self.tx_id)
+        if self.services.crashpoints.armed:
+            self.services.crashpoints.hit("commit.before_commit", tx_id=self.tx_id)
         self._milestones.append("commit.after_commit")
         return claim
 
@@ -805,8 +809,11 @@ class _Delivered:
     async def write(self, work: Work) -> None:
         run = self.run
         await run._write_record(work, self.claim, self.decision, may_be_taken=True)
-        run.services.crashpoints.hit("record.before_commit", **run._ctx_of(None, self.decision))
+        crash = run.services.crashpoints
+        if crash.armed:
+            crash.hit("record.before_commit", **run._ctx_of(None, self.decision))
 
     def landed(self) -> None:
         run = self.run
-        run.services.crashpoints.hit("record.after_commit", tx_id=run.tx_id, kind="record")
+        if run.services.crashpoints.armed:
+            run.services.crashpoints.hit("record.after_commit", tx_id=run.tx_id, kind="record")

@@ -471,7 +471,7 @@ class Orchestrator:
                     plan.planned,
                     claim_first=(owner, lease_ms) if owner is not None else None,
                 )
-                if start != "staged":
+                if start != "staged" and self.crashpoints.armed:
                     self.crashpoints.hit("prepare.before_commit", tx_id=plan.tx_id)
         except DuplicateKey:
             return await self._existing(plan.tx_id, plan.inputs, plan.business_key)
@@ -479,7 +479,7 @@ class Orchestrator:
             raise LockConflict() from exc
         except StorageError as exc:
             raise StoreUnavailableError() from exc
-        if start != "staged":
+        if start != "staged" and self.crashpoints.armed:
             self.crashpoints.hit("prepare.after_commit", tx_id=plan.tx_id)
         return txc, first
 

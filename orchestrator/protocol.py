@@ -73,6 +73,16 @@ def echo_mismatches(contract: ActionContract, payload: Any, result: Any) -> list
     return [f for f in contract.echo_fields if f in payload and result.get(f) != payload.get(f)]
 
 
+def _position(claim: Claim) -> dict[str, Any]:
+    """A crash point's context for ``claim`` (built only when a point is armed)."""
+    return {
+        "kind": claim.kind._value_,
+        "name": claim.name,
+        "tx_id": claim.tx_id,
+        "key": claim.key,
+    }
+
+
 def _safe_reason(value: str) -> str:
     # Provider reasons go to the ledger as evidence, bounded; never into an error envelope.
     return value[:200]
@@ -91,12 +101,6 @@ async def decide(
     on_apply: Callable[[], None] | None = None,
 ) -> Decision:
     """Lookup-first when the effect may have been sent, then apply; never writes our store."""
-    ctx = {
-        "kind": claim.kind._value_,
-        "name": claim.name,
-        "tx_id": claim.tx_id,
-        "key": claim.key,
-    }
     bound = (
         log.bind(tx_id=claim.tx_id, op_key=claim.key, step=claim.name, fence=claim.fence)
         if info_enabled()
@@ -120,7 +124,8 @@ async def decide(
     void = final and contract.supports_void
     if claim.maybe_sent:
         if contract.supports_lookup:
-            crashpoints.hit("effect.before_lookup", **ctx)
+            if crashpoints.armed:
+                crashpoints.hit("effect.before_lookup", **_position(claim))
             lookups += 1
             try:
                 answer = await bounded(
@@ -131,7 +136,8 @@ async def decide(
                 )
             except (TimeoutError, Exception) as exc:  # any failure to answer is "unavailable"
                 answer = Unavailable(type(exc).__name__)
-            crashpoints.hit("effect.after_lookup", **ctx)
+            if crashpoints.armed:
+                crashpoints.hit("effect.after_lookup", **_position(claim))
             if bound is not None:
                 bound.info("lookup", answer=type(answer).__name__)
             if isinstance(answer, Found):
@@ -201,7 +207,8 @@ async def decide(
                 detail={**evidence, "reason": REASON_WINDOW},
             )
         evidence["resend"] = True  # a new attempt, after proof the provider never saw it
-    crashpoints.hit("effect.before_apply", **ctx)
+    if crashpoints.armed:
+        crashpoints.hit("effect.before_apply", **_position(claim))
     if on_apply is not None:
         on_apply()
     try:
@@ -213,7 +220,8 @@ async def decide(
         outcome = Unknown("timeout")
     except Exception as exc:  # lost response, reset, anything: we cannot know
         outcome = Unknown(type(exc).__name__)
-    crashpoints.hit("effect.after_apply", **ctx)
+    if crashpoints.armed:
+        crashpoints.hit("effect.after_apply", **_position(claim))
     if bound is not None:
         bound.info("apply", outcome=type(outcome).__name__)
     if isinstance(outcome, FencedOut):
