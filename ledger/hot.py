@@ -62,7 +62,7 @@ class Compiled:
     build: Callable[[Mapping[str, Any]], tuple[Any, ...]] | None
     #: Whether it can be one CTE of a combined statement (:func:`ledger.batched.composable`):
     #: asked of every held-back write, a dozen a saga, so answered once here.
-    composable: bool = False
+    composable: bool
 
     def arguments(self, params: Mapping[str, Any]) -> tuple[Any, ...]:
         if self.build is not None:

@@ -19,7 +19,7 @@ from typing import Any, cast
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ledger.batched import BatchStatement, PendingWrite, batch_statement
+from ledger.batched import BatchStatement, PendingWrite, batch_statement, composable
 from ledger.errors import LeaseLost
 from ledger.hot import Compiled
 
@@ -31,7 +31,8 @@ INSERT = "INSERT INTO ledger (tx_id, n, detail) VALUES ($1::VARCHAR, $2::BIGINT,
 
 
 def _write(sql: str, names: int, *, rows: int = 1, fenced: bool = False) -> PendingWrite:
-    compiled = Compiled(sql, cast(Any, None), tuple(f"n{i}" for i in range(names)), (), None)
+    names_ = tuple(f"n{i}" for i in range(names))
+    compiled = Compiled(sql, cast(Any, None), names_, (), None, composable(sql))
     lost = LeaseLost("outbox", 1) if fenced else None
     return PendingWrite(compiled, (), lost, None, rows=rows)
 
