@@ -466,7 +466,10 @@ def compare_json(pairs: list[ComparePair]) -> dict[str, Any]:
 
 
 __all__ = [
+    "MATCH_CAP",
     "SWEEP_CONCURRENCY",
+    "SWEEP_ROUNDS",
+    "SWEEP_SAGAS",
     "ComparePair",
     "DbosResult",
     "DbosSweep",
