@@ -222,6 +222,17 @@ def bench(
             raise _usage(
                 out, "--compare dbos needs the bench extra: pip install 'agent-txn[bench]'"
             )
+    if postgres:
+        dbos_peak = None
+        if compare is not None:
+            from fault_injection.bench_dbos import SWEEP_CONCURRENCY
+
+            dbos_peak = max(SWEEP_CONCURRENCY) if dbos_in_flight == "auto" else dbos_in_flight
+        refusal = _connections_refusal(
+            db, concurrency=concurrency, workers=workers, provider=provider, dbos=dbos_peak
+        )
+        if refusal is not None:
+            raise _usage(out, refusal)
     config = BenchConfig(
         sagas=sagas,
         concurrency=concurrency,
@@ -256,6 +267,34 @@ def bench(
         json_path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
     if not ok:
         raise typer.Exit(1)
+
+
+def _connections_refusal(
+    db: str | None, *, concurrency: int, workers: int, provider: str, dbos: int | None
+) -> str | None:
+    """Why the run cannot fit in the PostgreSQL server's connections (``None``: it can, or
+    the server could not be asked, which the run itself then reports)."""
+    from fault_injection.pg_connections import (
+        BENCH_OWN_CONNECTIONS,
+        PROCESS_OWN_CONNECTIONS,
+        connection_room,
+        connections_needed,
+        too_many,
+    )
+
+    assert db is not None
+    try:
+        room = asyncio.run(connection_room(db))
+    except Exception:
+        return None
+    needed = connections_needed(concurrency=concurrency, workers=workers, provider=provider)
+    what = f"--concurrency {concurrency}" + (f" with --workers {workers}" if workers else "")
+    if dbos is not None:
+        # DBOS's half runs alone, on threads of one process and a pool of its own.
+        dbos_needed = dbos + PROCESS_OWN_CONNECTIONS + BENCH_OWN_CONNECTIONS
+        if dbos_needed > needed:
+            needed, what = dbos_needed, f"DBOS's half at {dbos} in flight"
+    return too_many(needed, room, what=what)
 
 
 def _dbos_in_flight(value: str) -> int | Literal["auto"]:

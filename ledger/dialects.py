@@ -38,8 +38,13 @@ READ_ONLY_OPTION = "agent_txn_read_only"
 
 _PG_BUSY_CODES = frozenset({"40001", "40P01", "55P03"})  # serialization, deadlock, lock timeout
 _PG_UNIQUE = "23505"
-#: connection exception, invalid catalog (no such database), invalid authorization
-_PG_UNREACHABLE_CLASSES = frozenset({"08", "3D", "28"})
+#: connection exception, invalid catalog (no such database), invalid authorization, and
+#: insufficient resources: the server (or the role's or database's ``CONNECTION LIMIT``) has
+#: no connection left for us, or no memory for one. asyncpg raises these while connecting,
+#: unwrapped; each means "not now", and the store's callers retry a StoreUnavailable.
+_PG_UNREACHABLE_CLASSES = frozenset({"08", "3D", "28", "53"})
+#: What the operator reads for a refusal the sqlstate alone would not explain.
+_PG_REFUSALS = {"53300": "too many connections", "53200": "out of memory"}
 
 
 def dialect_of(url: str) -> Dialect:
@@ -328,7 +333,9 @@ def translate(exc: BaseException) -> StorageError | None:
     # asyncpg raises some server errors while connecting without SQLAlchemy wrapping them.
     sqlstate = str(getattr(exc, "sqlstate", "") or "")
     if sqlstate[:2] in _PG_UNREACHABLE_CLASSES or sqlstate.startswith("57P"):
-        return StoreUnavailable(f"database refused the connection ({sqlstate})")
+        reason = _PG_REFUSALS.get(sqlstate)
+        detail = f"{sqlstate}: {reason}" if reason else sqlstate
+        return StoreUnavailable(f"database refused the connection ({detail})")
     return None
 
 

@@ -134,19 +134,36 @@ def _run(job: Coroutine[Any, Any, T]) -> T:
     """Run ``job``; expected failures become one line on stderr and exit code 2."""
     try:
         return asyncio.run(job)
-    except CliFailure as exc:
-        _fail(exc.message, exc.code)
-    except AgentTxnError as exc:
-        _fail(_describe(exc))
-    except DemoError as exc:
-        _fail(str(exc))
-    except StorageError as exc:
-        _fail(f"{type(exc).__name__}: {exc}")
     except Exception as exc:
-        message = _driver_message(exc)
-        if message is None:
+        # A job that runs tasks in a TaskGroup (the bench's sagas in flight) fails with an
+        # ExceptionGroup; what the operator needs is its first failure, said as if alone.
+        first = _first_leaf(exc)
+        failure = _expected_failure(first)
+        if failure is None:
             raise  # a real bug keeps its traceback
-        _fail(message)
+        _fail(*failure)
+
+
+def _first_leaf(exc: BaseException) -> BaseException:
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return exc
+
+
+def _expected_failure(exc: BaseException) -> tuple[str, int] | None:
+    """The line and exit code for a failure a user can act on (``None``: a bug)."""
+    if isinstance(exc, CliFailure):
+        return exc.message, exc.code
+    if isinstance(exc, AgentTxnError):
+        return _describe(exc), EXIT_USAGE
+    if isinstance(exc, DemoError):
+        return str(exc), EXIT_USAGE
+    if isinstance(exc, StorageError):
+        return f"{type(exc).__name__}: {exc}", EXIT_USAGE
+    if isinstance(exc, Exception):
+        message = _driver_message(exc)
+        return None if message is None else (message, EXIT_USAGE)
+    return None
 
 
 def _driver_message(exc: Exception) -> str | None:

@@ -1,0 +1,162 @@
+"""A PostgreSQL server out of connections: the engine says ``store_unavailable`` and writes
+nothing, and the bench refuses a run that cannot fit before it starts.
+
+PostgreSQL only. What could break: the server's refusal (``53300``, raised by asyncpg while
+connecting, unwrapped) reached callers as a raw driver error, and ``agent-txn bench
+--concurrency 128`` on a default server (``max_connections`` 100) ended in a traceback.
+
+A role with a ``CONNECTION LIMIT`` makes the refusal without taking the shared server's slots
+from the tests running beside this one (superusers are exempt from it, so the role is not one:
+it is a member of the test role, which owns the tables).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+
+import pytest
+from sqlalchemy.engine import make_url
+from typer.testing import CliRunner
+
+from fault_injection.bench_cli import app
+from fault_injection.pg_connections import connection_room
+from fault_injection.sagas import order, order_saga
+from ledger import dialects
+from ledger.errors import StoreUnavailable
+from orchestrator.engine import Orchestrator
+from orchestrator.errors import StoreUnavailableError
+from providers.memory import MemoryShop
+from tests.conftest import DbUrls, pg_admin_url, pg_connect
+
+
+@pytest.fixture
+def backend() -> str:  # overrides the parametrized fixture: this file is PostgreSQL's alone
+    from tests.conftest import require_pg
+
+    require_pg()
+    return "postgres"
+
+
+@pytest.fixture
+async def limited_role(db_urls: DbUrls) -> AsyncIterator[str]:
+    """A login role that may do what the test role does, not a superuser; dropped after."""
+    name = f"agent_txn_limited_{uuid.uuid4().hex[:10]}"
+    admin = await pg_connect(pg_admin_url())
+    owner = make_url(pg_admin_url()).username or "postgres"
+    try:
+        await admin.execute(f'CREATE ROLE "{name}" LOGIN NOSUPERUSER')
+        await admin.execute(f'GRANT "{owner}" TO "{name}"')
+        yield name
+    finally:
+        await admin.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = $1", name
+        )
+        await admin.execute(f'DROP ROLE IF EXISTS "{name}"')
+        await admin.close()
+
+
+def _as(url: str, role: str) -> str:
+    return make_url(url).set(username=role, password=None).render_as_string(hide_password=False)
+
+
+async def _limit(role: str, connections: int) -> None:
+    admin = await pg_connect(pg_admin_url())
+    try:
+        await admin.execute(f'ALTER ROLE "{role}" CONNECTION LIMIT {connections}')
+    finally:
+        await admin.close()
+
+
+async def _transactions(url: str) -> int:
+    conn = await pg_connect(url)
+    try:
+        return int(await conn.fetchval("SELECT count(*) FROM transactions"))
+    finally:
+        await conn.close()
+
+
+async def test_a_refused_connection_is_store_unavailable_and_nothing_is_written(
+    db_urls: DbUrls, limited_role: str
+) -> None:
+    url = _as(db_urls.store, limited_role)
+    shop = MemoryShop()
+    orch = await Orchestrator.open(url, providers=shop.providers())
+    try:
+        await orch.register(order_saga())
+        await _limit(limited_role, 0)
+        # The connections the store already holds stay open; the next transaction must open
+        # one, and the server refuses it.
+        await orch.store.engine.dispose()
+        await orch.store._close_idle()
+        with pytest.raises(StoreUnavailableError) as caught:
+            await orch.execute(order_saga(), order("refused-1"))
+        cause = caught.value.__cause__
+        assert isinstance(cause, StoreUnavailable), repr(cause)
+        assert "53300: too many connections" in str(cause)
+    finally:
+        await _limit(limited_role, -1)
+        await orch.close()
+    assert await _transactions(db_urls.store) == 0  # the intent was never made durable
+    assert not any(shop.counts().values())  # and nothing crossed to the shop
+
+
+async def test_the_refusal_while_connecting_translates_to_store_unavailable(
+    db_urls: DbUrls, limited_role: str
+) -> None:
+    await _limit(limited_role, 0)
+    try:
+        await pg_connect(_as(db_urls.store, limited_role))
+    except Exception as exc:  # asyncpg's TooManyConnectionsError, unwrapped
+        translated = dialects.translate(exc)
+    else:
+        pytest.fail("the server admitted a role whose limit is 0")
+    assert isinstance(translated, StoreUnavailable)
+    assert str(translated) == "database refused the connection (53300: too many connections)"
+
+
+async def test_the_room_counts_the_connections_open(db_urls: DbUrls) -> None:
+    held = [await pg_connect(db_urls.store) for _ in range(3)]
+    try:
+        room = await connection_room(db_urls.store)
+        conn = held[0]
+        max_connections = int(await conn.fetchval("SHOW max_connections"))
+        superuser = bool(
+            await conn.fetchval("SELECT rolsuper FROM pg_roles WHERE rolname = current_user")
+        )
+    finally:
+        for conn in held:
+            await conn.close()
+    assert room.max_connections == max_connections
+    assert room.superuser is superuser
+    assert room.in_use >= 3
+    assert room.free <= max_connections - 3
+
+
+def test_the_bench_refuses_a_run_the_server_cannot_hold(db_urls: DbUrls) -> None:
+    # Not a coroutine: the command runs its own event loop, as it does from a shell.
+    room = asyncio.run(connection_room(db_urls.store))
+    concurrency = 1024  # the most the option takes
+    if room.free >= concurrency + 4:
+        pytest.skip(f"this server admits {room.free} connections: 1024 in flight would fit")
+    got = CliRunner().invoke(
+        app, ["--db", db_urls.store, "--sagas", "1", "--concurrency", str(concurrency)]
+    )
+    assert got.exit_code == 2, got.output
+    assert "Traceback" not in got.output
+    assert "--concurrency 1024 keeps up to 1028 PostgreSQL connections open at once" in got.output
+    assert "raise the server's max_connections" in got.output
+
+
+async def test_a_role_that_is_not_a_superuser_reads_the_reserved_slots(
+    db_urls: DbUrls, limited_role: str
+) -> None:
+    room = await connection_room(_as(db_urls.store, limited_role))
+    conn = await pg_connect(db_urls.store)
+    try:
+        reserved = int(await conn.fetchval("SHOW superuser_reserved_connections"))
+    finally:
+        await conn.close()
+    assert room.superuser is False
+    assert room.reserved == reserved
