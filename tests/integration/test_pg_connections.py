@@ -27,6 +27,7 @@ from ledger import dialects
 from ledger.errors import StoreUnavailable
 from orchestrator.engine import Orchestrator
 from orchestrator.errors import StoreUnavailableError
+from orchestrator.worker import Worker
 from providers.memory import MemoryShop
 from tests.conftest import DbUrls, pg_admin_url, pg_connect
 
@@ -88,8 +89,8 @@ async def test_a_refused_connection_is_store_unavailable_and_nothing_is_written(
         await _limit(limited_role, 0)
         # The connections the store already holds stay open; the next transaction must open
         # one, and the server refuses it.
+        await orch.store._close_idle()  # back to the pool first, which dispose() then closes
         await orch.store.engine.dispose()
-        await orch.store._close_idle()
         with pytest.raises(StoreUnavailableError) as caught:
             await orch.execute(order_saga(), order("refused-1"))
         cause = caught.value.__cause__
@@ -160,3 +161,36 @@ async def test_a_role_that_is_not_a_superuser_reads_the_reserved_slots(
         await conn.close()
     assert room.superuser is False
     assert room.reserved == reserved
+
+
+async def test_a_worker_outlives_a_refused_connection_and_claims_once_admitted(
+    db_urls: DbUrls, limited_role: str
+) -> None:
+    """Before class 53 was translated, the raw driver error escaped the worker's claim pass
+    (it catches storage errors only) and ended its loop."""
+    url = _as(db_urls.store, limited_role)
+    shop = MemoryShop()
+    orch = await Orchestrator.open(url, providers=shop.providers())
+    try:
+        shop.seed_stock({"sku-1": 10})
+        await orch.register(order_saga())
+        await orch.enqueue(order_saga(), order("queued-1"))
+        await _limit(limited_role, 0)
+        await orch.store._close_idle()  # back to the pool first, which dispose() then closes
+        await orch.store.engine.dispose()
+        worker = Worker(orch, concurrency=2, poll_seconds=0.01)
+        assert await worker.run_pass() == 0
+        assert worker.stats.errors == 1 and worker.stats.claimed == 0
+        await _limit(limited_role, -1)
+        stats = await worker.run(once=True)
+    finally:
+        await _limit(limited_role, -1)
+        await orch.close()
+    assert stats.claimed == 1 and stats.by_status == {"committed": 1}
+    assert shop.counts() == {
+        "inventory.reserve": 1,
+        "inventory.release": 0,
+        "payments.charge": 1,
+        "payments.refund": 0,
+        "email.send": 1,
+    }
