@@ -43,8 +43,8 @@ _PG_UNIQUE = "23505"
 #: no connection left for us, or no memory for one. asyncpg raises these while connecting,
 #: unwrapped; each means "not now", and the store's callers retry a StoreUnavailable.
 _PG_UNREACHABLE_CLASSES = frozenset({"08", "3D", "28", "53"})
-#: What the operator reads for a refusal the sqlstate alone would not explain.
-_PG_REFUSALS = {"53300": "too many connections", "53200": "out of memory"}
+#: What the operator reads for a shortage the sqlstate alone would not explain (class 53).
+_PG_SHORTAGES = {"53100": "disk full", "53200": "out of memory", "53300": "too many connections"}
 
 
 def dialect_of(url: str) -> Dialect:
@@ -325,6 +325,12 @@ def translate(exc: BaseException) -> StorageError | None:
             return StoreBusy("lock contention")
         if exc.connection_invalidated or isinstance(exc, InterfaceError) or _is_disconnect(exc):
             return StoreUnavailable("database connection lost")
+        if (code or "")[:2] == "53":
+            # Insufficient resources (disk full, out of memory) during a statement: the
+            # statement failed, so the transaction wrote nothing; SQLAlchemy's asyncpg adapter
+            # wraps it as its generic Error, not as an OperationalError.
+            reason = _PG_SHORTAGES.get(code or "", "insufficient resources")
+            return StoreUnavailable(f"database out of resources ({code}: {reason})")
         if isinstance(exc, OperationalError):
             return StoreUnavailable("database operational error")
         return None
@@ -333,8 +339,8 @@ def translate(exc: BaseException) -> StorageError | None:
     # asyncpg raises some server errors while connecting without SQLAlchemy wrapping them.
     sqlstate = str(getattr(exc, "sqlstate", "") or "")
     if sqlstate[:2] in _PG_UNREACHABLE_CLASSES or sqlstate.startswith("57P"):
-        reason = _PG_REFUSALS.get(sqlstate)
-        detail = f"{sqlstate}: {reason}" if reason else sqlstate
+        shortage = _PG_SHORTAGES.get(sqlstate)
+        detail = f"{sqlstate}: {shortage}" if shortage else sqlstate
         return StoreUnavailable(f"database refused the connection ({detail})")
     return None
 

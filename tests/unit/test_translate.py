@@ -1,0 +1,45 @@
+"""Which driver errors become which storage errors (``ledger.dialects.translate``), for the
+PostgreSQL server's shortages (sqlstate class 53): each is ``StoreUnavailable``, retryable,
+with its reason; the server refusing a connection for want of one is tested against a real
+server in ``tests/integration/test_pg_connections.py``."""
+
+from __future__ import annotations
+
+import pytest
+from sqlalchemy.exc import DBAPIError
+
+from ledger.dialects import translate
+from ledger.errors import StoreUnavailable
+
+
+class _ServerError(Exception):
+    """What a driver raises: its message and the server's sqlstate."""
+
+    def __init__(self, message: str, sqlstate: str) -> None:
+        super().__init__(message)
+        self.sqlstate = sqlstate
+
+
+@pytest.mark.parametrize(
+    ("sqlstate", "reason"),
+    [("53100", "disk full"), ("53200", "out of memory"), ("53400", "insufficient resources")],
+)
+def test_a_shortage_during_a_statement_is_store_unavailable(sqlstate: str, reason: str) -> None:
+    # SQLAlchemy's asyncpg adapter wraps these as its generic Error, a DBAPIError.
+    wrapped = DBAPIError("INSERT INTO ledger ...", {}, _ServerError("no room", sqlstate))
+    translated = translate(wrapped)
+    assert isinstance(translated, StoreUnavailable) and translated.retryable
+    assert str(translated) == f"database out of resources ({sqlstate}: {reason})"
+
+
+def test_a_refusal_while_connecting_names_its_reason() -> None:
+    # asyncpg raises the server's refusal unwrapped while it connects.
+    translated = translate(_ServerError("sorry, too many clients already", "53300"))
+    assert isinstance(translated, StoreUnavailable)
+    assert str(translated) == "database refused the connection (53300: too many connections)"
+
+
+def test_an_error_of_another_class_is_not_taken_for_a_shortage() -> None:
+    wrapped = DBAPIError("SELECT 1/0", {}, _ServerError("division by zero", "22012"))
+    assert translate(wrapped) is None
+    assert translate(_ServerError("division by zero", "22012")) is None
