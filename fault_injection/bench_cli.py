@@ -181,7 +181,7 @@ def bench(
     ] = False,
 ) -> None:
     """Run the order saga (reserve + charge, receipt via the outbox) and report its costs."""
-    from fault_injection.cli import checked_db, prepared_output, run_job
+    from fault_injection.cli import checked_db, prepared_output, run_job, write_output
 
     checked_db(db)
     prepared_output(json_path, "--json")
@@ -264,7 +264,7 @@ def bench(
         )
     data["environment"] = environment
     if json_path is not None:
-        json_path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+        write_output(json_path, json.dumps(data, indent=2) + "\n", "--json")
     if not ok:
         raise typer.Exit(1)
 

@@ -77,6 +77,25 @@ def prepared_output(path: Path | None, option: str) -> None:
         _refuse(f"{option}: cannot create {path.parent}: {exc.strerror or exc}")
     if not os.access(path.parent, os.W_OK):
         _refuse(f"{option}: cannot write in {path.parent}")
+    # A folder may say it is writable and still refuse a file (/proc, a read-only mount seen
+    # by root): open the file the run will write, and remove it again if it was not there.
+    existed = path.exists()
+    try:
+        with path.open("a", encoding="utf-8"):
+            pass
+    except OSError as exc:
+        _refuse(f"{option}: cannot write {path}: {exc.strerror or exc}")
+    if not existed:
+        path.unlink(missing_ok=True)
+
+
+def write_output(path: Path, text: str, option: str) -> None:
+    """Write a results file :func:`prepared_output` checked before the run; a failure now (the
+    disk filled during the run, say) is one line and exit code 2, not a traceback."""
+    try:
+        path.write_text(text, encoding="utf-8")
+    except OSError as exc:
+        _refuse(f"{option}: cannot write {path}: {exc.strerror or exc}")
 
 
 def _refuse(message: str) -> NoReturn:

@@ -462,6 +462,27 @@ def test_an_output_path_that_cannot_be_written_is_refused_before_the_run(
         assert why in run.err and "check OK" not in run.out and "PASS" not in run.out
 
 
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_a_folder_that_refuses_files_is_refused_before_the_run(tmp_path: Path) -> None:
+    """/proc is a folder that says it is writable (to root) and refuses new files: the bench
+    learned that only when it wrote its results, after the run, with a traceback."""
+    run = cli(
+        "bench", "--sagas", "1", "--warmup", "0", "--json", "/proc/agent-txn.json", cwd=tmp_path
+    )
+    assert_clean_failure(run)
+    assert run.err.startswith("error: --json: cannot write /proc/agent-txn.json"), run.err
+    assert "check OK" not in run.out
+
+
+def test_checking_a_results_path_leaves_no_file_behind(tmp_path: Path) -> None:
+    """The check opens the file the run will write; if the run is then refused, no empty file
+    is left where there was none."""
+    target = tmp_path / "bench.json"
+    run = cli("bench", "--provider", "smtp", "--json", str(target), cwd=tmp_path)
+    assert run.code == 2, (run.out, run.err)
+    assert not target.exists()
+
+
 def test_bench_json_creates_its_folder(tmp_path: Path) -> None:
     """As ``fault-inject run --report`` does, the folder of ``--json`` is made if missing."""
     target = tmp_path / "results" / "today" / "bench.json"
