@@ -36,7 +36,13 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from fault_injection.bench import PROVIDERS, BenchConfig, BenchResult, run_bench
+from fault_injection.bench import (
+    PROVIDERS,
+    UNGROUPED_COMMITS_PER_SAGA,
+    BenchConfig,
+    BenchResult,
+    run_bench,
+)
 from fault_injection.bench_environment import describe, one_line
 from fault_injection.steal import read_cpu_times, stolen_share
 from ledger.store import SQLITE_WRITERS
@@ -90,6 +96,10 @@ def render(result: BenchResult, out: Console) -> None:
             _num(result.raw_driver_commits_per_s, ",.0f"),
         ),
         ("efficiency", _num(result.efficiency, ".2f")),
+        (
+            f"efficiency at {UNGROUPED_COMMITS_PER_SAGA} commits / saga",
+            _num(result.efficiency_ungrouped, ".2f"),
+        ),
     ]
     if result.prepare_s is not None:
         rows.append(("prepare (s, not in sagas/s)", _num(result.prepare_s, ".2f")))
