@@ -287,10 +287,10 @@ def _connections_refusal(
     from fault_injection.pg_connections import (
         BENCH_OWN_CONNECTIONS,
         PROCESS_OWN_CONNECTIONS,
-        connection_room,
         connections_needed,
         too_many,
     )
+    from ledger.pg_room import connection_room
 
     assert db is not None
     try:

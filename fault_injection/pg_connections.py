@@ -8,65 +8,23 @@ and a run of ``agent-txn bench --concurrency 128`` on a default server (100) end
 traceback instead of a measurement. So the bench asks the server first, and refuses what
 cannot fit with one line that says what to change.
 
-The room is read, never configured: ``max_connections``, less the slots reserved for
-superusers when the bench's role is not one, less the client connections open now (other
-than the one asking). It is a reading of a moment: other clients may take slots during the
-run, so the estimate of what the run needs (:func:`connections_needed`) keeps a margin of its
-own.
+The room itself is read by :mod:`ledger.pg_room`. It is a reading of a moment: other
+clients may take slots during the run, so the estimate of what the run needs
+(:func:`connections_needed`) keeps a margin of its own.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from sqlalchemy import text
-
-from ledger import dialects
+from ledger.pg_room import ConnectionRoom
+from orchestrator.workerproc import WORKER_OWN_CONNECTIONS
 
 #: Connections the bench itself holds beside the engines: the environment's and the server
 #: CPU reader's short ones, the workers' bench's progress poller.
 BENCH_OWN_CONNECTIONS = 2
 #: Beside its sagas in flight, a process of ours keeps one for its outbox dispatch and one
-#: kept idle by the store (``orchestrator.workerproc.WORKER_OWN_CONNECTIONS``, measured: at
-#: C = 32 and 64 the run's peak was C + 1 client connections).
-PROCESS_OWN_CONNECTIONS = 2
-
-_ROOM_SQL = text(
-    "SELECT current_setting('max_connections')::int,"
-    " current_setting('superuser_reserved_connections')::int,"
-    " (SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'client backend')::int,"
-    " (SELECT rolsuper FROM pg_roles WHERE rolname = current_user)"
-)
-
-
-@dataclass(frozen=True, slots=True)
-class ConnectionRoom:
-    """What the server admits, read at one moment (:func:`connection_room`)."""
-
-    max_connections: int
-    #: Slots only superusers may take (``superuser_reserved_connections``).
-    reserved: int
-    #: Client connections open, not counting the one that read this.
-    in_use: int
-    superuser: bool
-
-    @property
-    def free(self) -> int:
-        """Connections the bench's role could still open."""
-        limit = self.max_connections - (0 if self.superuser else self.reserved)
-        return max(0, limit - self.in_use)
-
-
-async def connection_room(url: str) -> ConnectionRoom:
-    """The room on the PostgreSQL server ``url`` names (one short connection)."""
-    engine = dialects.create_engine(dialects.normalize_url(url))
-    try:
-        async with engine.connect() as conn:
-            row = (await conn.execute(_ROOM_SQL)).one()
-    finally:
-        await engine.dispose()
-    max_connections, reserved, open_now, superuser = row
-    return ConnectionRoom(int(max_connections), int(reserved), int(open_now) - 1, bool(superuser))
+#: kept idle by the store, as a worker's pool allows for (measured: at C = 32 and 64 the
+#: run's peak was C + 1 client connections).
+PROCESS_OWN_CONNECTIONS = WORKER_OWN_CONNECTIONS
 
 
 def connections_needed(*, concurrency: int, workers: int, provider: str) -> int:
@@ -96,8 +54,6 @@ def too_many(needed: int, room: ConnectionRoom, *, what: str) -> str | None:
 __all__ = [
     "BENCH_OWN_CONNECTIONS",
     "PROCESS_OWN_CONNECTIONS",
-    "ConnectionRoom",
-    "connection_room",
     "connections_needed",
     "too_many",
 ]

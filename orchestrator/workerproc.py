@@ -17,6 +17,8 @@ from typing import Any
 
 import structlog
 
+from ledger.errors import StorageError
+from ledger.pg_room import ConnectionRoom, read_room
 from orchestrator.config import EngineSettings
 from orchestrator.engine import Orchestrator
 from orchestrator.errors import DefinitionInvalid
@@ -114,6 +116,42 @@ async def run_worker_process(
             loop.remove_signal_handler(sig)
 
 
+async def warn_if_short_of_connections(
+    orch: Orchestrator, concurrency: int
+) -> ConnectionRoom | None:
+    """Log a warning when this worker's sagas in hand may need more connections than the
+    PostgreSQL server admits now; the room read (``None`` on SQLite, or if it could not be
+    read).
+
+    Why only a warning: workers on other hosts share the server's connections and come and go,
+    so a worker cannot know what will be free later, and it survives a refused connection (the
+    pass is counted in ``WorkerStats.errors`` and tried again). But an operator who starts
+    ``--concurrency 200`` against a server of 100 connections should learn it at start, not
+    from a stream of failed passes."""
+    if orch.store.dialect != "postgresql":
+        return None
+    pool = orch.store.engine.sync_engine.pool
+    try:
+        async with orch.store.read() as conn:
+            room = await read_room(conn)
+            # Connections this process opened already count in the room's ``in_use``, but are
+            # its own to reuse (the one reading is left out of ``in_use`` already).
+            held = max(0, pool.checkedin() + pool.checkedout() - 1)  # type: ignore[attr-defined]
+    except StorageError:
+        return None
+    needed = concurrency + WORKER_OWN_CONNECTIONS
+    if needed > room.free + held:
+        log.warning(
+            "the PostgreSQL server may refuse this worker's connections",
+            needed=needed,
+            admitted=room.free + held,
+            max_connections=room.max_connections,
+            in_use=room.in_use,
+            hint="lower --concurrency, or raise the server's max_connections",
+        )
+    return room
+
+
 class _StopRequest:
     """A stop asked for by a signal, before or after the worker exists."""
 
@@ -165,6 +203,7 @@ async def _serve(
             url, providers=providers, settings=worker_settings(settings, concurrency)
         )
         closers.append(orch)
+        await warn_if_short_of_connections(orch, concurrency)
         if metrics_port is not None:
             orch.metrics.serve(metrics_port)
         worker = Worker(orch, concurrency=concurrency, poll_seconds=poll_seconds)

@@ -15,19 +15,22 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 from sqlalchemy.engine import make_url
+from structlog.testing import capture_logs
 from typer.testing import CliRunner
 
 from fault_injection.bench_cli import app
-from fault_injection.pg_connections import connection_room
 from fault_injection.sagas import order, order_saga
 from ledger import dialects
 from ledger.errors import StoreUnavailable
+from ledger.pg_room import ConnectionRoom, connection_room
 from orchestrator.engine import Orchestrator
 from orchestrator.errors import StoreUnavailableError
 from orchestrator.worker import Worker
+from orchestrator.workerproc import WORKER_OWN_CONNECTIONS, warn_if_short_of_connections
 from providers.memory import MemoryShop
 from tests.conftest import DbUrls, pg_admin_url, pg_connect
 
@@ -194,3 +197,44 @@ async def test_a_worker_outlives_a_refused_connection_and_claims_once_admitted(
         "payments.refund": 0,
         "email.send": 1,
     }
+
+
+async def test_a_worker_warns_at_start_when_its_sagas_may_not_fit(
+    db_urls: DbUrls, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    orch = await Orchestrator.open(db_urls.store)
+    try:
+        # A server of 100 with 99 in use: whatever this process holds, 64 in hand cannot fit.
+        async def full_server(conn: object) -> ConnectionRoom:
+            return ConnectionRoom(100, 3, 99, superuser=True)
+
+        monkeypatch.setattr("orchestrator.workerproc.read_room", full_server)
+        with capture_logs() as logs:
+            room = await warn_if_short_of_connections(orch, 64)
+    finally:
+        await orch.close()
+    assert room is not None and room.free == 1
+    warnings = [e for e in logs if e["log_level"] == "warning"]
+    assert len(warnings) == 1, logs
+    assert warnings[0]["event"] == "the PostgreSQL server may refuse this worker's connections"
+    assert warnings[0]["needed"] == 64 + WORKER_OWN_CONNECTIONS
+    assert warnings[0]["max_connections"] == 100 and warnings[0]["in_use"] == 99
+
+
+async def test_a_worker_that_fits_reads_the_real_room_and_says_nothing(db_urls: DbUrls) -> None:
+    orch = await Orchestrator.open(db_urls.store)
+    try:
+        with capture_logs() as logs:
+            room = await warn_if_short_of_connections(orch, 2)
+    finally:
+        await orch.close()
+    assert room is not None and room.max_connections > room.in_use >= 0
+    assert not [e for e in logs if e["log_level"] == "warning"], logs
+
+
+async def test_a_sqlite_worker_has_no_room_to_read(tmp_path: Path) -> None:
+    orch = await Orchestrator.open(f"sqlite+aiosqlite:///{tmp_path / 'agent.db'}")
+    try:
+        assert await warn_if_short_of_connections(orch, 1024) is None
+    finally:
+        await orch.close()

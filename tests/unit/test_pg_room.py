@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from fault_injection.pg_connections import ConnectionRoom, connections_needed, too_many
+from fault_injection.pg_connections import connections_needed, too_many
+from ledger.pg_room import ConnectionRoom
 
 
 def test_a_superuser_may_take_the_reserved_slots_and_others_may_not() -> None:
