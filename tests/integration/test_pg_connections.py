@@ -33,14 +33,7 @@ from orchestrator.worker import Worker
 from orchestrator.workerproc import WORKER_OWN_CONNECTIONS, warn_if_short_of_connections
 from providers.memory import MemoryShop
 from tests.conftest import DbUrls, pg_admin_url, pg_connect
-
-
-@pytest.fixture
-def backend() -> str:  # overrides the parametrized fixture: this file is PostgreSQL's alone
-    from tests.conftest import require_pg
-
-    require_pg()
-    return "postgres"
+from tests.support.postgres_only import postgres_backend  # noqa: F401  (the fixture)
 
 
 @pytest.fixture

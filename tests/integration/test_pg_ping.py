@@ -19,14 +19,7 @@ from ledger import dialects
 from ledger.errors import StoreUnavailable
 from ledger.store import Store
 from tests.conftest import DbUrls, _pg_execute
-
-
-@pytest.fixture
-def backend() -> str:  # overrides the parametrized fixture: this file is PostgreSQL's alone
-    from tests.conftest import require_pg
-
-    require_pg()
-    return "postgres"
+from tests.support.postgres_only import postgres_backend  # noqa: F401  (the fixture)
 
 
 @pytest.fixture

@@ -18,16 +18,9 @@ from ledger.store import Store
 from orchestrator.config import EngineSettings
 from orchestrator.workerproc import WORKER_OWN_CONNECTIONS, worker_settings
 from tests.conftest import DbUrls
+from tests.support.postgres_only import postgres_backend  # noqa: F401  (the fixture)
 
 IN_FLIGHT = 16
-
-
-@pytest.fixture
-def backend() -> str:  # overrides the parametrized fixture: this file is PostgreSQL's alone
-    from tests.conftest import require_pg
-
-    require_pg()
-    return "postgres"
 
 
 async def _rounds_of_concurrent_transactions(store: Store, rounds: int) -> list[int]:
