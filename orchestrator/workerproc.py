@@ -17,7 +17,6 @@ from typing import Any
 
 import structlog
 
-from ledger.errors import StorageError
 from ledger.pg_room import ConnectionRoom, read_room
 from orchestrator.config import EngineSettings
 from orchestrator.engine import Orchestrator
@@ -137,7 +136,8 @@ async def warn_if_short_of_connections(
             # Connections this process opened already count in the room's ``in_use``, but are
             # its own to reuse (the one reading is left out of ``in_use`` already).
             held = max(0, pool.checkedin() + pool.checkedout() - 1)  # type: ignore[attr-defined]
-    except StorageError:
+    except Exception as exc:  # a check that only warns must never stop the worker's start
+        log.info("could not read the server's connection room", error=type(exc).__name__)
         return None
     needed = concurrency + WORKER_OWN_CONNECTIONS
     if needed > room.free + held:

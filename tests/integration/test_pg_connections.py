@@ -231,3 +231,17 @@ async def test_a_sqlite_worker_has_no_room_to_read(tmp_path: Path) -> None:
         assert await warn_if_short_of_connections(orch, 1024) is None
     finally:
         await orch.close()
+
+
+async def test_a_room_that_cannot_be_read_does_not_stop_a_worker(
+    db_urls: DbUrls, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def unreadable(conn: object) -> ConnectionRoom:
+        raise RuntimeError("permission denied for view pg_stat_activity")
+
+    monkeypatch.setattr("orchestrator.workerproc.read_room", unreadable)
+    orch = await Orchestrator.open(db_urls.store)
+    try:
+        assert await warn_if_short_of_connections(orch, 1024) is None
+    finally:
+        await orch.close()
