@@ -98,6 +98,16 @@ def write_output(path: Path, text: str, option: str) -> None:
         _refuse(f"{option}: cannot write {path}: {exc.strerror or exc}")
 
 
+def written_report(summary: RunSummary, report: Path) -> list[Path]:
+    """:func:`~fault_injection.report.write_report`, with a failure to write after the run
+    (checked before it by :func:`prepared_output`) as one line and exit code 2, as
+    :func:`write_output` does for the bench's results."""
+    try:
+        return write_report(summary, report)
+    except OSError as exc:
+        _refuse(f"--report: cannot write {exc.filename or report}: {exc.strerror or exc}")
+
+
 def _refuse(message: str) -> NoReturn:
     Console(stderr=True, highlight=False).print(f"error: {escape(message)}", soft_wrap=True)
     raise typer.Exit(2) from None
@@ -186,7 +196,7 @@ def run(
             summary.results.extend(results)
     _print_summary(out, summary, time.monotonic() - started)
     if report is not None:
-        paths = write_report(summary, report)
+        paths = written_report(summary, report)
         out.print("report: " + ", ".join(str(p) for p in paths))
     raise typer.Exit(0 if summary.ok else 1)
 
@@ -303,7 +313,7 @@ def replay(
     summary = RunSummary(results=[result])
     _print_summary(out, summary, time.monotonic() - started)
     if report is not None:
-        paths = write_report(summary, report)
+        paths = written_report(summary, report)
         out.print("report: " + ", ".join(str(p) for p in paths))
     raise typer.Exit(0 if summary.ok else 1)
 

@@ -5,9 +5,13 @@ the bench's sagas in flight)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import typer
 
+from fault_injection.cli import written_report
+from fault_injection.results import RunSummary
 from ledger.errors import StoreUnavailable
 from orchestrator import cli
 from orchestrator.errors import StoreUnavailableError
@@ -51,3 +55,21 @@ def test_a_group_whose_first_failure_is_a_bug_keeps_its_traceback() -> None:
     with pytest.raises(ExceptionGroup) as caught:
         cli._run(_raises(group))
     assert caught.value is group
+
+
+def test_a_report_that_cannot_be_written_after_the_run_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``fault-inject run --report`` checks its path before the run; a write that still fails
+    after it (the disk filled, the folder went away) is one line and exit code 2."""
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    report = gone / "run.json"
+    gone.rmdir()  # the folder write_report expects is no longer there, and a file stands in it
+    gone.write_text("")
+    with pytest.raises(typer.Exit) as caught:
+        written_report(RunSummary(), report)
+    assert caught.value.exit_code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --report: cannot write "), err
+    assert len(err.strip().splitlines()) == 1
