@@ -40,7 +40,7 @@ def connections_needed(*, concurrency: int, workers: int, provider: str) -> int:
 
 def too_many(needed: int, room: ConnectionRoom, *, what: str) -> str | None:
     """The line that refuses a run needing ``needed`` connections, or ``None`` if it fits."""
-    if needed <= room.free:
+    if room.admits(needed):
         return None
     reserved = "" if room.superuser else f", {room.reserved} reserved for superusers"
     return (

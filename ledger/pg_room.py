@@ -47,6 +47,11 @@ class ConnectionRoom:
         limit = self.max_connections - (0 if self.superuser else self.reserved)
         return max(0, limit - self.in_use)
 
+    def admits(self, needed: int, *, held: int = 0) -> bool:
+        """Whether a process holding ``held`` of the connections counted in :attr:`in_use`
+        could hold ``needed`` in all."""
+        return needed <= self.free + held
+
 
 async def read_room(conn: AsyncConnection) -> ConnectionRoom:
     """The room on the server ``conn`` is connected to."""

@@ -140,7 +140,7 @@ async def warn_if_short_of_connections(
         log.info("could not read the server's connection room", error=type(exc).__name__)
         return None
     needed = concurrency + WORKER_OWN_CONNECTIONS
-    if needed > room.free + held:
+    if not room.admits(needed, held=held):
         log.warning(
             "the PostgreSQL server may refuse this worker's connections",
             needed=needed,

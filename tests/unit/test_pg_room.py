@@ -49,3 +49,9 @@ def test_a_run_that_fits_is_not_refused_and_one_that_does_not_is_told_what_to_ch
     assert "3 reserved for superusers" in (
         too_many(97, ConnectionRoom(100, 3, 4, superuser=False), what="x") or ""
     )
+
+
+def test_what_a_process_holds_already_is_its_own_to_reuse() -> None:
+    room = ConnectionRoom(100, 3, 90, superuser=True)  # 10 free, of which this process holds 0
+    assert room.admits(10) and not room.admits(11)
+    assert room.admits(15, held=5) and not room.admits(16, held=5)
