@@ -2,7 +2,7 @@
 
 ::
 
-    agent-txn bench [--db URL] [--sagas N] [--concurrency C] [--workers W] [--recovery]
+    agent-txn bench [--db URL] [--sagas N] [--concurrency C|auto] [--workers W] [--recovery]
         [--provider memory|fake|http] [--latency-ms L] [--warmup W] [--json PATH]
         [--compare dbos [--pairs P] [--dbos-concurrency K|auto] [--dbos-sqlite fast|default]
         [--match-time]]
@@ -13,7 +13,11 @@
 (sequential, or C in flight), ``--workers W`` (W worker processes drain sagas the bench
 prepared; PostgreSQL), ``--recovery`` (N sagas left in doubt by a crash, W fresh worker
 processes timed until all are terminal). ``--compare dbos`` alternates ours and DBOS's, pair by
-pair (in-process modes only). Exit status: 0 when the bench's checker found exactly one effect
+pair (in-process modes only). ``--concurrency auto`` (in-process modes) first runs ours alone
+at each setting of :data:`~fault_injection.sweep.OURS_SWEEP_CONCURRENCY` and measures at the
+fastest; with ``--compare dbos`` it makes DBOS's half ``auto`` too unless
+``--dbos-concurrency`` says otherwise, so that each engine runs at its own fastest setting
+(:mod:`fault_injection.sweep`). Exit status: 0 when the bench's checker found exactly one effect
 per intent, 1 otherwise, 2 on bad usage or a database that cannot be reached (one ``error:``
 line, as every ``agent-txn`` command). Every run first prints what it runs on
 (:mod:`fault_injection.bench_environment`).
@@ -45,13 +49,26 @@ from fault_injection.bench import (
 )
 from fault_injection.bench_environment import describe, one_line
 from fault_injection.steal import read_cpu_times, stolen_share
+from fault_injection.sweep import (
+    OURS_SWEEP_CONCURRENCY,
+    OURS_SWEEP_SAGAS,
+    SWEEP_ROUNDS,
+    Sweep,
+    run_sweep,
+)
 from ledger.store import SQLITE_WRITERS
 
 if TYPE_CHECKING:  # the DBOS side is imported only when a comparison runs
-    from fault_injection.bench_dbos import ComparePair, DbosResult, DbosSweep, SqliteTuning
+    from fault_injection.bench_dbos import ComparePair, DbosResult, SqliteTuning
+    from ledger.pg_room import ConnectionRoom
+
+#: Sagas (or workflows) in flight: a number, or ``"auto"`` for the fastest of a sweep.
+InFlight = int | Literal["auto"]
 
 #: The most sagas (or DBOS workflows) in flight the options take.
 MAX_IN_FLIGHT = 1024
+#: The driver loop's length in a run of our sweep (its reading is not used there).
+SWEEP_DRIVER_SECONDS = 0.1
 
 app = typer.Typer(
     help="Benchmark the order saga end to end.",
@@ -133,9 +150,13 @@ def bench(
     db: Annotated[str | None, typer.Option(help="SQLite URL, or a PostgreSQL server URL.")] = None,
     sagas: Annotated[int, typer.Option(min=1, help="Measured sagas.")] = 1000,
     concurrency: Annotated[
-        int,
-        typer.Option(min=1, max=MAX_IN_FLIGHT, help="Sagas in flight (per worker with --workers)."),
-    ] = 1,
+        str,
+        typer.Option(
+            metavar="C|auto",
+            help="Sagas in flight (per worker with --workers); auto (in-process modes): run "
+            "ours alone at 1 to 64 first and measure at its fastest.",
+        ),
+    ] = "1",
     workers: Annotated[
         int, typer.Option(min=0, max=64, help="Worker processes (PostgreSQL); 0: in-process.")
     ] = 0,
@@ -173,9 +194,9 @@ def bench(
         str | None,
         typer.Option(
             metavar="K|auto",
-            help="With --compare: DBOS's workflows in flight (default: --concurrency), so that "
-            "each engine can run at its own fastest setting; auto: run DBOS alone at 1 to 32 "
-            "first and take its fastest.",
+            help="With --compare: DBOS's workflows in flight (default: --concurrency, auto "
+            "included), so that each engine can run at its own fastest setting; auto: run DBOS "
+            "alone at 1 to 32 first and take its fastest.",
         ),
     ] = None,
     dbos_sqlite: Annotated[
@@ -213,12 +234,21 @@ def bench(
         raise _usage(out, "--match-time sizes the halves of --compare dbos pairs: add --compare")
     if dbos_concurrency is not None and compare is None:
         raise _usage(out, "--dbos-concurrency sets DBOS's half of --compare dbos: add --compare")
-    try:
-        dbos_in_flight = None if dbos_concurrency is None else _dbos_in_flight(dbos_concurrency)
-    except ValueError:
+    ours_in_flight = _option_in_flight(out, "--concurrency", concurrency)
+    dbos_in_flight = (
+        None
+        if dbos_concurrency is None
+        else _option_in_flight(out, "--dbos-concurrency", dbos_concurrency)
+    )
+    if ours_in_flight == "auto" and (workers or recovery):
         raise _usage(
-            out, f"--dbos-concurrency must be a number from 1 to {MAX_IN_FLIGHT}, or auto"
-        ) from None
+            out,
+            "--concurrency auto finds the fastest setting of the in-process modes: give "
+            "--workers and --recovery a number",
+        )
+    if dbos_in_flight is None and compare is not None:
+        dbos_in_flight = ours_in_flight  # each engine's own fastest, when ours is auto
+    sweep_settings = OURS_SWEEP_CONCURRENCY
     if compare is not None:
         if compare != "dbos":
             raise _usage(out, "--compare takes one value: dbos")
@@ -238,14 +268,18 @@ def bench(
             from fault_injection.bench_dbos import SWEEP_CONCURRENCY
 
             dbos_peak = max(SWEEP_CONCURRENCY) if dbos_in_flight == "auto" else dbos_in_flight
+        room = _room(db)
+        if ours_in_flight == "auto":
+            sweep_settings = sweep_settings_that_fit(room, provider)
+        peak = max(sweep_settings) if ours_in_flight == "auto" else ours_in_flight
         refusal = _connections_refusal(
-            db, concurrency=concurrency, workers=workers, provider=provider, dbos=dbos_peak
+            room, concurrency=peak, workers=workers, provider=provider, dbos=dbos_peak
         )
         if refusal is not None:
             raise _usage(out, refusal)
     config = BenchConfig(
         sagas=sagas,
-        concurrency=concurrency,
+        concurrency=1 if ours_in_flight == "auto" else ours_in_flight,
         provider=provider,
         latency_ms=latency_ms,
         warmup=warmup,
@@ -257,6 +291,10 @@ def bench(
     )
     environment = asyncio.run(describe(db, compare=compare))
     out.print(one_line(environment))
+    ours_sweep = None
+    if ours_in_flight == "auto":
+        ours_sweep = _sweep_ours(config, db, sweep_settings, out)
+        config = dataclasses.replace(config, concurrency=ours_sweep.fastest)
     if compare is None:
         result = run_job(run_bench(config, db=db))
         render(result, out)
@@ -272,6 +310,10 @@ def bench(
             match_time=match_time,
             dbos_concurrency=dbos_in_flight,
         )
+    data["concurrency_sweep"] = None if ours_sweep is None else ours_sweep.as_json("sagas_per_s")
+    if ours_sweep is not None and ours_sweep.problems:
+        # A sweep run is not the measured run, and its checker still counts.
+        ok = data["check_ok"] = False
     data["environment"] = environment
     if json_path is not None:
         write_output(json_path, json.dumps(data, indent=2) + "\n", "--json")
@@ -279,23 +321,48 @@ def bench(
         raise typer.Exit(1)
 
 
+def sweep_settings_that_fit(room: ConnectionRoom | None, provider: str) -> tuple[int, ...]:
+    """The settings of :data:`~fault_injection.sweep.OURS_SWEEP_CONCURRENCY` the PostgreSQL
+    server has connections for (all of them when its room is not known). When not even the
+    smallest fits, the smallest: the run's own check then refuses it with the numbers."""
+    fitting = tuple(
+        c
+        for c in OURS_SWEEP_CONCURRENCY
+        if _connections_refusal(room, concurrency=c, workers=0, provider=provider) is None
+    )
+    return fitting or (min(OURS_SWEEP_CONCURRENCY),)
+
+
+def _room(db: str | None) -> ConnectionRoom | None:
+    """The PostgreSQL server's room for connections now (``None``: it could not be asked,
+    which the run itself then reports)."""
+    from ledger.pg_room import connection_room
+
+    assert db is not None
+    try:
+        return asyncio.run(connection_room(db))
+    except Exception:
+        return None
+
+
 def _connections_refusal(
-    db: str | None, *, concurrency: int, workers: int, provider: str, dbos: int | None
+    room: ConnectionRoom | None,
+    *,
+    concurrency: int,
+    workers: int,
+    provider: str,
+    dbos: int | None = None,
 ) -> str | None:
     """Why the run cannot fit in the PostgreSQL server's connections (``None``: it can, or
-    the server could not be asked, which the run itself then reports)."""
+    the room is not known)."""
     from fault_injection.pg_connections import (
         BENCH_OWN_CONNECTIONS,
         PROCESS_OWN_CONNECTIONS,
         connections_needed,
         too_many,
     )
-    from ledger.pg_room import connection_room
 
-    assert db is not None
-    try:
-        room = asyncio.run(connection_room(db))
-    except Exception:
+    if room is None:
         return None
     needed = connections_needed(concurrency=concurrency, workers=workers, provider=provider)
     what = f"--concurrency {concurrency}" + (f" with --workers {workers}" if workers else "")
@@ -307,15 +374,23 @@ def _connections_refusal(
     return too_many(needed, room, what=what)
 
 
-def _dbos_in_flight(value: str) -> int | Literal["auto"]:
-    """``--dbos-concurrency``'s value: a number of workflows in flight, or ``"auto"``;
-    :class:`ValueError` when it is neither."""
+def _in_flight(value: str) -> InFlight:
+    """``--concurrency``'s or ``--dbos-concurrency``'s value: a number in flight, or
+    ``"auto"``; :class:`ValueError` when it is neither."""
     if value.strip().lower() == "auto":
         return "auto"
     number = int(value)
     if not 1 <= number <= MAX_IN_FLIGHT:
         raise ValueError(f"{number} is out of range")
     return number
+
+
+def _option_in_flight(out: Console, option: str, value: str) -> InFlight:
+    """:func:`_in_flight` of ``option``'s ``value``, or the usage error that names it."""
+    try:
+        return _in_flight(value)
+    except ValueError:
+        raise _usage(out, f"{option} must be a number from 1 to {MAX_IN_FLIGHT}, or auto") from None
 
 
 def _server(ms: float | None) -> str:
@@ -336,7 +411,7 @@ def _compare(
     out: Console,
     *,
     match_time: bool = False,
-    dbos_concurrency: int | Literal["auto"] | None = None,
+    dbos_concurrency: InFlight | None = None,
 ) -> tuple[dict[str, Any], bool]:
     """Ours, then DBOS's, ``pairs`` times in this process; the ratio printed per pair.
     ``match_time``: our half's size follows DBOS's last half (:func:`matched_sagas`).
@@ -353,7 +428,7 @@ def _compare(
     with tempfile.TemporaryDirectory(prefix="bench-dbos-") as tmp:
         sweep = None
         if dbos_concurrency == "auto":
-            sweep = _sweep(config, db, Path(tmp), tuning, out)
+            sweep = _sweep_dbos(config, db, Path(tmp), tuning, out)
             theirs_in_flight = sweep.fastest
         else:
             theirs_in_flight = dbos_concurrency or config.concurrency
@@ -419,7 +494,7 @@ def _compare(
         f"{data['dbos_sagas_per_s']:,.1f} workflows/s · ratio {data['ratio_vs_dbos']:.2f}x"
     )
     out.print(_median_interval_line(data))
-    data["dbos_concurrency_sweep"] = None if sweep is None else sweep.as_json()
+    data["dbos_concurrency_sweep"] = None if sweep is None else sweep.as_json("workflows_per_s")
     data["match_time_pilot"] = None if pilot is None else _pilot_json(pilot)
     # The runs that are not pairs count for the checks too: a failure anywhere fails the bench.
     dbos_ok = (sweep is None or not sweep.problems) and (pilot is None or pilot.dbos.check_ok)
@@ -447,12 +522,54 @@ def _pilot_json(pilot: ComparePair) -> dict[str, Any]:
     }
 
 
-def _sweep(
+def _sweep_ours(
+    config: BenchConfig, db: str | None, settings: tuple[int, ...], out: Console
+) -> Sweep:
+    """``--concurrency auto``: ours alone at each of ``settings``, printed as it goes; the
+    measured run (or the pairs) then runs at the fastest. Each run is a whole bench run on
+    fresh databases, its checker included, with the shortest driver loop: only its sagas/s
+    ranks the settings."""
+    from fault_injection.cli import run_job
+
+    sagas = min(config.sagas, OURS_SWEEP_SAGAS)
+    out.print(
+        f"ours alone first, to find its fastest setting ({sagas:,} sagas a run, "
+        f"{SWEEP_ROUNDS} rounds):"
+    )
+
+    def run_one(concurrency: int) -> BenchResult:
+        trial = dataclasses.replace(
+            config, sagas=sagas, concurrency=concurrency, driver_seconds=SWEEP_DRIVER_SECONDS
+        )
+        return run_job(run_bench(trial, db=db))
+
+    def show(round_: int, concurrency: int, result: BenchResult) -> None:
+        out.print(
+            f"  round {round_ + 1} · ours C={concurrency}: {result.sagas_per_s:,.1f} sagas/s "
+            f"({result.cpu_ms_per_saga:.1f} ms CPU{_server(result.server_cpu_ms_per_saga)})"
+        )
+
+    sweep = run_sweep(
+        run_one,
+        rate=lambda result: result.sagas_per_s,
+        problems=lambda result: result.check.problems,
+        who="ours",
+        sagas=sagas,
+        concurrencies=settings,
+        on_run=show,
+    )
+    means = " · ".join(f"C={c} {mean:,.1f}" for c, mean in sweep.means.items())
+    out.print(f"our fastest here: C={sweep.fastest} (mean sagas/s: {means})")
+    _print_problems(out, sweep.problems)
+    return sweep
+
+
+def _sweep_dbos(
     config: BenchConfig, db: str | None, workdir: Path, tuning: SqliteTuning, out: Console
-) -> DbosSweep:
+) -> Sweep:
     """``--dbos-concurrency auto``: DBOS alone at each setting, printed as it goes; the
     pairs then give DBOS the fastest."""
-    from fault_injection.bench_dbos import SWEEP_ROUNDS, SWEEP_SAGAS, sweep_dbos
+    from fault_injection.bench_dbos import SWEEP_SAGAS, sweep_dbos
 
     sagas = min(config.sagas, SWEEP_SAGAS)
     out.print(

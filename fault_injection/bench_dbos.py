@@ -51,6 +51,7 @@ from sqlalchemy.engine import make_url
 
 from fault_injection.median_interval import median_interval
 from fault_injection.server_cpu import per_saga_ms, read_server, server_cpu_seconds
+from fault_injection.sweep import SWEEP_ROUNDS, Sweep, run_sweep
 from ledger.dialects import dialect_of, normalize_url
 
 SqliteTuning = Literal["fast", "default"]
@@ -318,43 +319,6 @@ SWEEP_CONCURRENCY: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
 #: Workflows each sweep run measures, at most (after its warm-up): enough to rank the settings,
 #: few enough that the sweep takes about a minute at DBOS's rates.
 SWEEP_SAGAS = 300
-#: Rounds of the sweep. Each round tries every setting once, so a drift of the machine's speed
-#: during the sweep reaches every setting alike instead of the last ones tried.
-SWEEP_ROUNDS = 2
-
-
-@dataclass(frozen=True, slots=True)
-class DbosSweep:
-    """DBOS alone at each concurrency, round after round (:func:`sweep_dbos`)."""
-
-    #: Workflows/s of each run, by concurrency, in round order.
-    rates: dict[int, list[float]]
-    #: Workflows each run measured.
-    sagas: int
-    #: What DBOS's own checker found wrong in any run.
-    problems: list[str] = field(default_factory=list)
-
-    @property
-    def means(self) -> dict[int, float]:
-        """Each concurrency's mean workflows/s over the rounds, in ascending concurrency."""
-        return {c: statistics.fmean(self.rates[c]) for c in sorted(self.rates)}
-
-    @property
-    def fastest(self) -> int:
-        """The concurrency of the highest mean rate (the lowest such one on a tie)."""
-        means = self.means
-        return max(means, key=means.__getitem__)
-
-    def as_json(self) -> dict[str, Any]:
-        """The JSON's ``dbos_concurrency_sweep``."""
-        return {
-            "sagas": self.sagas,
-            "fastest": self.fastest,
-            "runs": [
-                {"concurrency": c, "workflows_per_s": list(self.rates[c])}
-                for c in sorted(self.rates)
-            ],
-        }
 
 
 def sweep_dbos(
@@ -367,26 +331,37 @@ def sweep_dbos(
     concurrencies: tuple[int, ...] = SWEEP_CONCURRENCY,
     rounds: int = SWEEP_ROUNDS,
     on_run: Callable[[int, int, DbosResult], None] | None = None,
-) -> DbosSweep:
+) -> Sweep:
     """Run DBOS alone at each of ``concurrencies``, ``rounds`` times over, on the database
-    ``run_dbos`` gives each run; ``on_run(round, concurrency, result)`` after each.
+    ``run_dbos`` gives each run; ``on_run(round, concurrency, result)`` after each
+    (:func:`fault_injection.sweep.run_sweep`).
 
     Why: the issue's target is against "DBOS in its fastest settings", and which setting is
     fastest depends on the backend and the machine (sequential on SQLite, 4 in flight on
     PostgreSQL where we measured). ``bench --dbos-concurrency auto`` then runs DBOS's half of
-    every pair at :attr:`DbosSweep.fastest` instead of a number the caller had to know."""
-    rates: dict[int, list[float]] = {c: [] for c in concurrencies}
-    problems: list[str] = []
-    for round_ in range(rounds):
-        for c in concurrencies:
-            result = run_dbos(
-                db, workdir, sagas=sagas, concurrency=c, warmup=warmup, sqlite_tuning=sqlite_tuning
-            )
-            rates[c].append(result.sagas_per_s)
-            problems += [f"DBOS alone at C={c}: {problem}" for problem in result.problems]
-            if on_run is not None:
-                on_run(round_, c, result)
-    return DbosSweep(rates=rates, sagas=sagas, problems=problems)
+    every pair at :attr:`~fault_injection.sweep.Sweep.fastest` instead of a number the caller
+    had to know."""
+
+    def run_one(concurrency: int) -> DbosResult:
+        return run_dbos(
+            db,
+            workdir,
+            sagas=sagas,
+            concurrency=concurrency,
+            warmup=warmup,
+            sqlite_tuning=sqlite_tuning,
+        )
+
+    return run_sweep(
+        run_one,
+        rate=lambda result: result.sagas_per_s,
+        problems=lambda result: result.problems,
+        who="DBOS",
+        sagas=sagas,
+        concurrencies=concurrencies,
+        rounds=rounds,
+        on_run=on_run,
+    )
 
 
 #: ``--match-time``: our half never runs more than this many times ``--sagas``.
@@ -468,11 +443,9 @@ def compare_json(pairs: list[ComparePair]) -> dict[str, Any]:
 __all__ = [
     "MATCH_CAP",
     "SWEEP_CONCURRENCY",
-    "SWEEP_ROUNDS",
     "SWEEP_SAGAS",
     "ComparePair",
     "DbosResult",
-    "DbosSweep",
     "DictShop",
     "SqliteTuning",
     "compare_json",

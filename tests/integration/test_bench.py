@@ -20,13 +20,12 @@ import pytest
 import sqlalchemy
 from typer.testing import CliRunner, Result
 
-from fault_injection import bench_dbos, bench_steady
+from fault_injection import bench_cli, bench_dbos, bench_steady
 from fault_injection.bench import UNGROUPED_COMMITS_PER_SAGA, BenchConfig, run_bench
 from fault_injection.bench_cli import app
 from fault_injection.bench_dbos import (
     MATCH_CAP,
     SWEEP_CONCURRENCY,
-    SWEEP_ROUNDS,
     DbosResult,
     dbos_available,
     matched_sagas,
@@ -37,6 +36,7 @@ from fault_injection.contract_checks import check_provider_contract
 from fault_injection.harness import DatabasePair
 from fault_injection.server_cpu import is_local_postgres, read_server, server_cpu_seconds
 from fault_injection.steal import read_cpu_times
+from fault_injection.sweep import SWEEP_ROUNDS
 from ledger import dialects
 from ledger.store import StoreStats
 from providers.contract import Confirmed, FencedOut, Rejected
@@ -249,11 +249,23 @@ def test_bench_cli_refuses_unknown_provider() -> None:
         ["--compare", "temporal"],
         ["--match-time"],  # sizes the halves of a DBOS comparison: nothing to match alone
         ["--dbos-concurrency", "4"],  # DBOS's half of a comparison: there is none
+        # auto sweeps the in-process modes; a worker's sagas in hand are a number
+        ["--concurrency", "auto", "--db", "postgresql://server/x", "--workers", "2"],
+        ["--concurrency", "auto", "--recovery", "--provider", "fake"],
     ],
 )
 def test_bench_cli_refuses_bad_mode_combinations(args: list[str]) -> None:
     got = CliRunner().invoke(app, ["--sagas", "1", *args])
     assert got.exit_code == 2, got.output
+    assert "Traceback" not in got.output
+
+
+@pytest.mark.parametrize("value", ["fast", "0", "1025", "4.5", ""])
+def test_bench_cli_refuses_a_concurrency_that_is_neither_a_number_nor_auto(value: str) -> None:
+    got = CliRunner().invoke(app, ["--sagas", "1", "--concurrency", value])
+    assert got.exit_code == 2, got.output
+    assert "--concurrency must be a number from 1 to 1024, or auto" in got.output
+    assert "Traceback" not in got.output
 
 
 @pytest.mark.parametrize("value", ["fast", "0", "1025", "4.5", ""])
@@ -442,6 +454,120 @@ def test_bench_cli_finds_dboss_fastest_setting_first(tmp_path: Path, backend: st
     assert f"DBOS's fastest here: C={sweep['fastest']}" in got.output
     assert f"pair 1/1 · {backend} · C=3 vs DBOS C={sweep['fastest']}:" in got.output
     assert got.output.count("· DBOS C=") == len(SWEEP_CONCURRENCY) * SWEEP_ROUNDS
+    assert data["check_ok"] is True
+
+
+def _bench_json(
+    tmp_path: Path, *flags: str, backend: str = "sqlite", exit_code: int = 0
+) -> tuple[Result, dict[str, Any]]:
+    """``agent-txn bench`` at its smallest (6 sagas, shortest driver loop) with ``flags``, on
+    fresh SQLite files or fresh databases of the test server; its output and its JSON, once it
+    exited with ``exit_code``."""
+    out = tmp_path / "bench.json"
+    db = ["--db", pg_admin_url()] if backend == "postgres" else []
+    got = CliRunner().invoke(
+        app,
+        [
+            *("--sagas", "6", "--warmup", "1", "--driver-seconds", "0.1"),
+            *("--json", str(out), *db, *flags),
+        ],
+    )
+    assert got.exit_code == exit_code, got.output
+    return got, json.loads(out.read_text())
+
+
+def test_bench_cli_finds_our_fastest_setting_first(
+    tmp_path: Path, backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--concurrency auto``: ours alone at every setting of the sweep, each round, then the
+    measured run at the setting of the highest mean rate; the output and the JSON say which.
+
+    Every run is real (fresh databases, the checker); only the sweep runs' rates are set, so
+    that the fastest is known: 2 in flight, neither the first nor the last setting tried."""
+    monkeypatch.setattr(bench_cli, "OURS_SWEEP_CONCURRENCY", (1, 2, 4))
+    real_run_bench = bench_cli.run_bench
+    set_rates = {1: [100.0, 110.0], 2: [300.0, 290.0], 4: [200.0, 250.0]}
+    runs: list[int] = []
+
+    async def rated(config: BenchConfig, **kwargs: Any) -> Any:
+        result = await real_run_bench(config, **kwargs)
+        runs.append(config.concurrency)
+        if len(runs) <= 6:  # the sweep's two rounds of three
+            result.sagas_per_s = set_rates[config.concurrency][(len(runs) - 1) // 3]
+        return result
+
+    monkeypatch.setattr(bench_cli, "run_bench", rated)
+    got, data = _bench_json(tmp_path, "--concurrency", "auto", backend=backend)
+    assert runs == [1, 2, 4, 1, 2, 4, 2]  # rounds interleaved, then the measured run at 2
+    sweep = data["concurrency_sweep"]
+    assert sweep == {
+        "sagas": 6,
+        "fastest": 2,
+        "runs": [{"concurrency": c, "sagas_per_s": set_rates[c]} for c in (1, 2, 4)],
+    }
+    assert data["concurrency"] == 2
+    assert "our fastest here: C=2 (mean sagas/s: C=1 105.0 · C=2 295.0 · C=4 225.0)" in got.output
+    assert "6 sagas · concurrency 2" in got.output
+    assert got.output.count("· ours C=") == 3 * SWEEP_ROUNDS
+    # The measured run's own figures, not a sweep run's.
+    assert data["sagas_per_s"] not in (100.0, 110.0, 300.0, 290.0, 200.0, 250.0)
+    assert data["check_ok"] is True and data["sagas"] == 6
+    assert data["check"]["counts"]["payments.charge"] == 6 + 1
+
+
+def test_bench_cli_json_says_no_sweep_ran_for_a_given_concurrency(tmp_path: Path) -> None:
+    got, data = _bench_json(tmp_path, "--concurrency", "2")
+    assert data["concurrency_sweep"] is None
+    assert data["concurrency"] == 2
+    assert "alone first" not in got.output
+
+
+def test_bench_cli_fails_when_our_checker_fails_in_the_sweep(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sweep run is not the measured run, and its checker still counts: exit 1, the problem
+    printed, the measured run still made and reported."""
+    monkeypatch.setattr(bench_cli, "OURS_SWEEP_CONCURRENCY", (1, 2))
+    real_run_bench = bench_cli.run_bench
+    runs: list[int] = []
+
+    async def second_run_double_charges(config: BenchConfig, **kwargs: Any) -> Any:
+        result = await real_run_bench(config, **kwargs)
+        runs.append(config.concurrency)
+        if len(runs) == 2:
+            result.check.ok = False
+            result.check.problems.append("payments.charge: 2 effects for 1 intents")
+        return result
+
+    monkeypatch.setattr(bench_cli, "run_bench", second_run_double_charges)
+    got, data = _bench_json(tmp_path, "--concurrency", "auto", exit_code=1)
+    assert runs == [1, 2, 1, 2, data["concurrency"]]  # the sweep, then the measured run
+    assert "check FAILED: ours alone at C=2: payments.charge: 2 effects for 1 intents" in (
+        got.output
+    )
+    assert data["check_ok"] is False
+    assert data["sagas_per_s"] > 0
+
+
+@pytest.mark.skipif(not dbos_available(), reason="dbos is not installed (extra: bench)")
+def test_bench_cli_compare_with_our_auto_finds_both_engines_fastest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--compare dbos --concurrency auto`` with no ``--dbos-concurrency``: DBOS's half is
+    ``auto`` too, so each engine runs at its own fastest setting."""
+    monkeypatch.setattr(bench_cli, "OURS_SWEEP_CONCURRENCY", (1, 2))
+    dbos_calls = _dbos_failing_on(monkeypatch, failing_call=0)  # stood in for; never fails
+    got, data = _compare_dbos(tmp_path, "--pairs", "1", "--concurrency", "auto")
+    ours, theirs = data["concurrency_sweep"], data["dbos_concurrency_sweep"]
+    assert [run["concurrency"] for run in ours["runs"]] == [1, 2]
+    assert [run["concurrency"] for run in theirs["runs"]] == list(SWEEP_CONCURRENCY)
+    assert len(dbos_calls) == len(SWEEP_CONCURRENCY) * SWEEP_ROUNDS + 1  # the sweep, the pair
+    assert data["pairs"][0]["concurrency"] == ours["fastest"]
+    assert data["pairs"][0]["dbos_concurrency"] == theirs["fastest"]
+    label = f"C={ours['fastest']}"
+    if theirs["fastest"] != ours["fastest"]:
+        label += f" vs DBOS C={theirs['fastest']}"
+    assert f"pair 1/1 · sqlite · {label}:" in got.output
     assert data["check_ok"] is True
 
 

@@ -1,0 +1,100 @@
+"""An engine's fastest setting: runs of it alone at each concurrency, round after round.
+
+``agent-txn bench --concurrency auto`` sweeps ours and ``--dbos-concurrency auto`` sweeps
+DBOS's (``fault_injection.bench_dbos.sweep_dbos``); the pairs then run each engine at the
+setting of its highest mean rate. Why: the issue's target is against "DBOS in its fastest
+settings", and which setting is fastest depends on the engine, the backend and the machine
+(DBOS: 1 in flight on SQLite, 4 on PostgreSQL; ours: 16 to 64, flat, where we measured). A
+caller should not have to know either number to run the comparison fairly.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+#: What ``--concurrency auto`` tries for ours. Ours was slowest sequentially and about flat
+#: from 16 to 64 on every machine measured (``docs/benchmarks.md``); 64 is there to show where
+#: more in flight stops paying on a machine of its own.
+OURS_SWEEP_CONCURRENCY: tuple[int, ...] = (1, 4, 8, 16, 32, 64)
+#: Sagas each run of our sweep measures, at most (after its warm-up): about a second at our
+#: rates in flight, several at 1, so the sweep takes about a minute.
+OURS_SWEEP_SAGAS = 1000
+#: Rounds of a sweep. Each round tries every setting once, so a drift of the machine's speed
+#: during the sweep reaches every setting alike instead of the last ones tried.
+SWEEP_ROUNDS = 2
+
+R = TypeVar("R")
+
+
+@dataclass(frozen=True, slots=True)
+class Sweep:
+    """One engine alone at each concurrency, round after round (:func:`run_sweep`)."""
+
+    #: Sagas (or workflows) per second of each run, by concurrency, in round order.
+    rates: dict[int, list[float]]
+    #: Sagas (or workflows) each run measured.
+    sagas: int
+    #: What the engine's checker found wrong in any run.
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def means(self) -> dict[int, float]:
+        """Each concurrency's mean rate over the rounds, in ascending concurrency."""
+        return {c: statistics.fmean(self.rates[c]) for c in sorted(self.rates)}
+
+    @property
+    def fastest(self) -> int:
+        """The concurrency of the highest mean rate (the lowest such one on a tie)."""
+        means = self.means
+        return max(means, key=means.__getitem__)
+
+    def as_json(self, rate_key: str) -> dict[str, Any]:
+        """The JSON of a sweep: ``sagas`` a run, the ``fastest`` setting, and ``runs``, each
+        setting's rates under ``rate_key`` (``sagas_per_s`` for ours, ``workflows_per_s`` for
+        DBOS's)."""
+        return {
+            "sagas": self.sagas,
+            "fastest": self.fastest,
+            "runs": [{"concurrency": c, rate_key: list(self.rates[c])} for c in sorted(self.rates)],
+        }
+
+
+def run_sweep(
+    run_one: Callable[[int], R],
+    *,
+    rate: Callable[[R], float],
+    problems: Callable[[R], list[str]],
+    who: str,
+    sagas: int,
+    concurrencies: Sequence[int],
+    rounds: int = SWEEP_ROUNDS,
+    on_run: Callable[[int, int, R], None] | None = None,
+) -> Sweep:
+    """``run_one(concurrency)`` at each of ``concurrencies``, ``rounds`` times over, rounds
+    interleaved; ``on_run(round, concurrency, result)`` after each. A run's checker problems
+    are kept, prefixed "``who`` alone at C=…", so that a sweep's failure fails the bench as a
+    pair's would."""
+    if not concurrencies or rounds < 1:
+        raise ValueError("a sweep needs at least one setting and one round")
+    rates: dict[int, list[float]] = {c: [] for c in concurrencies}
+    found: list[str] = []
+    for round_ in range(rounds):
+        for c in concurrencies:
+            result = run_one(c)
+            rates[c].append(rate(result))
+            found += [f"{who} alone at C={c}: {problem}" for problem in problems(result)]
+            if on_run is not None:
+                on_run(round_, c, result)
+    return Sweep(rates=rates, sagas=sagas, problems=found)
+
+
+__all__ = [
+    "OURS_SWEEP_CONCURRENCY",
+    "OURS_SWEEP_SAGAS",
+    "SWEEP_ROUNDS",
+    "Sweep",
+    "run_sweep",
+]

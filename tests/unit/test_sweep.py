@@ -1,0 +1,152 @@
+"""``bench --concurrency auto`` and ``--dbos-concurrency auto``: an engine alone at each
+setting, and the fastest of them (``fault_injection/sweep.py``).
+
+The runs are stood in for here (DBOS's ``run_dbos`` replaced, or a function of the
+concurrency), so what is checked is the sweep's own logic: every setting in every round, rounds
+interleaved, the highest mean chosen, the checker's problems kept, and on PostgreSQL only the
+settings the server has connections for. ``tests/integration/test_bench.py`` runs both sweeps
+with the engines themselves.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fault_injection import bench_cli, bench_dbos
+from fault_injection.bench_cli import sweep_settings_that_fit
+from fault_injection.bench_dbos import DbosResult, sweep_dbos
+from fault_injection.pg_connections import connections_needed
+from fault_injection.sweep import OURS_SWEEP_CONCURRENCY, Sweep, run_sweep
+from ledger.pg_room import ConnectionRoom
+from tests.support.dbos_results import dbos_result
+
+
+def test_the_fastest_is_the_highest_mean_not_the_highest_run() -> None:
+    # C=4 has the single best run, but C=1 is faster on average.
+    sweep = Sweep(rates={1: [150.0, 148.0], 4: [160.0, 120.0], 8: [130.0, 131.0]}, sagas=10)
+    assert sweep.fastest == 1
+
+
+def test_a_tie_goes_to_fewer_in_flight() -> None:
+    sweep = Sweep(rates={8: [100.0, 100.0], 2: [90.0, 110.0], 4: [95.0, 105.0]}, sagas=10)
+    assert sweep.fastest == 2
+
+
+def test_the_json_lists_every_setting_with_its_runs() -> None:
+    sweep = Sweep(rates={4: [100.0, 104.0], 1: [90.0, 91.0]}, sagas=300)
+    assert sweep.as_json("workflows_per_s") == {
+        "sagas": 300,
+        "fastest": 4,
+        "runs": [
+            {"concurrency": 1, "workflows_per_s": [90.0, 91.0]},
+            {"concurrency": 4, "workflows_per_s": [100.0, 104.0]},
+        ],
+    }
+
+
+def test_the_sweep_runs_every_setting_each_round_and_picks_the_fastest(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # DBOS as it behaved on PostgreSQL: fastest at 4 in flight.
+    speed = {1: 60.0, 2: 100.0, 4: 120.0, 8: 110.0}
+    calls: list[tuple[int, int]] = []
+
+    def fake_run_dbos(db: str | None, workdir: Path, **kwargs: Any) -> DbosResult:
+        assert (db, workdir) == ("postgresql://server/x", tmp_path)
+        assert (kwargs["sagas"], kwargs["warmup"], kwargs["sqlite_tuning"]) == (50, 5, "fast")
+        c = kwargs["concurrency"]
+        calls.append((len(calls), c))
+        # Each run a little apart from the last, as real runs are.
+        return dbos_result(concurrency=c, per_s=speed[c] + len(calls) / 100)
+
+    monkeypatch.setattr(bench_dbos, "run_dbos", fake_run_dbos)
+    seen: list[tuple[int, int]] = []
+    sweep = sweep_dbos(
+        "postgresql://server/x",
+        tmp_path,
+        sagas=50,
+        warmup=5,
+        sqlite_tuning="fast",
+        concurrencies=(1, 2, 4, 8),
+        rounds=2,
+        on_run=lambda r, c, _result: seen.append((r, c)),
+    )
+    # Interleaved: every setting once, then every setting again.
+    assert [c for _, c in calls] == [1, 2, 4, 8, 1, 2, 4, 8]
+    assert seen == [(0, 1), (0, 2), (0, 4), (0, 8), (1, 1), (1, 2), (1, 4), (1, 8)]
+    assert {c: len(r) for c, r in sweep.rates.items()} == {1: 2, 2: 2, 4: 2, 8: 2}
+    assert sweep.fastest == 4
+    assert sweep.problems == []
+
+
+def test_what_dboss_checker_found_in_a_sweep_run_is_kept(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    def fake_run_dbos(db: str | None, workdir: Path, **kwargs: Any) -> DbosResult:
+        c = kwargs["concurrency"]
+        problems = ["charge: 2 effects for 1 workflows"] if c == 2 else None
+        return dbos_result(concurrency=c, per_s=100.0, problems=problems)
+
+    monkeypatch.setattr(bench_dbos, "run_dbos", fake_run_dbos)
+    sweep = sweep_dbos(
+        None, tmp_path, sagas=1, warmup=0, sqlite_tuning="default", concurrencies=(1, 2), rounds=1
+    )
+    assert sweep.problems == ["DBOS alone at C=2: charge: 2 effects for 1 workflows"]
+
+
+def test_ours_is_swept_with_its_own_key_and_checker_and_label() -> None:
+    # Ours as it behaved on PostgreSQL: flat past 16, a little slower at 64.
+    speed = {1: 400.0, 16: 1250.0, 32: 1260.0, 64: 1150.0}
+    seen: list[tuple[int, int]] = []
+    sweep = run_sweep(
+        lambda c: (speed[c], ["payments.charge: 2 effects for 1 intents"] if c == 64 else []),
+        rate=lambda result: result[0],
+        problems=lambda result: result[1],
+        who="ours",
+        sagas=1000,
+        concurrencies=(1, 16, 32, 64),
+        on_run=lambda r, c, _result: seen.append((r, c)),
+    )
+    assert seen == [(r, c) for r in (0, 1) for c in (1, 16, 32, 64)]
+    assert sweep.fastest == 32
+    assert sweep.problems == ["ours alone at C=64: payments.charge: 2 effects for 1 intents"] * 2
+    assert sweep.as_json("sagas_per_s")["runs"][0] == {"concurrency": 1, "sagas_per_s": [400.0] * 2}
+
+
+@pytest.mark.parametrize(("concurrencies", "rounds"), [((), 2), ((1, 2), 0)])
+def test_a_sweep_of_nothing_is_refused(concurrencies: tuple[int, ...], rounds: int) -> None:
+    with pytest.raises(ValueError, match="at least one setting and one round"):
+        run_sweep(
+            lambda c: c,
+            rate=float,
+            problems=lambda _c: [],
+            who="ours",
+            sagas=1,
+            concurrencies=concurrencies,
+            rounds=rounds,
+        )
+
+
+def _room_for(connections: int) -> ConnectionRoom:
+    """A server with exactly ``connections`` free for a superuser."""
+    return ConnectionRoom(max_connections=100, reserved=3, in_use=100 - connections, superuser=True)
+
+
+@pytest.mark.parametrize("provider", ["memory", "fake"])
+def test_on_postgresql_our_sweep_tries_only_what_the_server_has_room_for(provider: str) -> None:
+    # Room for 32 in flight exactly, not for 64.
+    room = _room_for(connections_needed(concurrency=32, workers=0, provider=provider))
+    fitting = sweep_settings_that_fit(room, provider)
+    assert fitting == tuple(c for c in OURS_SWEEP_CONCURRENCY if c <= 32)
+    # The room unknown: every setting (the run reports a refusal itself).
+    assert sweep_settings_that_fit(None, provider) == OURS_SWEEP_CONCURRENCY
+
+
+def test_with_no_room_even_for_one_the_smallest_is_left_to_be_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(bench_cli, "OURS_SWEEP_CONCURRENCY", (4, 8))
+    assert sweep_settings_that_fit(_room_for(0), "memory") == (4,)
