@@ -366,23 +366,32 @@ def dbos_console(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(logging.getLogger("dbos"), "handlers", [])
 
 
-def _compare_dbos(
-    tmp_path: Path, *flags: str, backend: str = "sqlite", exit_code: int = 0
+def _bench_json(
+    tmp_path: Path, *flags: str, sagas: int = 6, backend: str = "sqlite", exit_code: int = 0
 ) -> tuple[Result, dict[str, Any]]:
-    """``agent-txn bench --compare dbos`` at its smallest (5 sagas a half), with ``flags``, on
-    fresh SQLite files or fresh databases of the test server; its output and its JSON, once it
-    exited with ``exit_code``."""
+    """``agent-txn bench`` at its smallest (``sagas``, one warm-up saga, the shortest driver
+    loop) with ``flags``, on fresh SQLite files or fresh databases of the test server; its
+    output and its JSON, once it exited with ``exit_code``."""
     out = tmp_path / "bench.json"
     db = ["--db", pg_admin_url()] if backend == "postgres" else []
     got = CliRunner().invoke(
         app,
         [
-            *("--compare", "dbos", "--sagas", "5", "--warmup", "1", "--driver-seconds", "0.1"),
+            *("--sagas", str(sagas), "--warmup", "1", "--driver-seconds", "0.1"),
             *("--json", str(out), *db, *flags),
         ],
     )
     assert got.exit_code == exit_code, got.output
     return got, json.loads(out.read_text())
+
+
+def _compare_dbos(
+    tmp_path: Path, *flags: str, backend: str = "sqlite", exit_code: int = 0
+) -> tuple[Result, dict[str, Any]]:
+    """:func:`_bench_json` with ``--compare dbos``, 5 sagas a half."""
+    return _bench_json(
+        tmp_path, "--compare", "dbos", *flags, sagas=5, backend=backend, exit_code=exit_code
+    )
 
 
 @pytest.mark.skipif(not dbos_available(), reason="dbos is not installed (extra: bench)")
@@ -455,25 +464,6 @@ def test_bench_cli_finds_dboss_fastest_setting_first(tmp_path: Path, backend: st
     assert f"pair 1/1 · {backend} · C=3 vs DBOS C={sweep['fastest']}:" in got.output
     assert got.output.count("· DBOS C=") == len(SWEEP_CONCURRENCY) * SWEEP_ROUNDS
     assert data["check_ok"] is True
-
-
-def _bench_json(
-    tmp_path: Path, *flags: str, backend: str = "sqlite", exit_code: int = 0
-) -> tuple[Result, dict[str, Any]]:
-    """``agent-txn bench`` at its smallest (6 sagas, shortest driver loop) with ``flags``, on
-    fresh SQLite files or fresh databases of the test server; its output and its JSON, once it
-    exited with ``exit_code``."""
-    out = tmp_path / "bench.json"
-    db = ["--db", pg_admin_url()] if backend == "postgres" else []
-    got = CliRunner().invoke(
-        app,
-        [
-            *("--sagas", "6", "--warmup", "1", "--driver-seconds", "0.1"),
-            *("--json", str(out), *db, *flags),
-        ],
-    )
-    assert got.exit_code == exit_code, got.output
-    return got, json.loads(out.read_text())
 
 
 def test_bench_cli_finds_our_fastest_setting_first(
