@@ -979,15 +979,12 @@ async def run_random(
     seed: int,
     workers: int = 4,
     only: int | None = None,
-    first: int = 0,
     shrink: bool = True,
     progress: Callable[[ScenarioResult], None] | None = None,
     dbs: DatabasePair | None = None,
     shrunk_dir: Path | None = None,
 ) -> list[ScenarioResult]:
-    """Run schedules ``first..first+schedules-1`` of ``seed`` (or just ``only``) on one
-    database pair. ``first`` lets a long run be cut into parts that run side by side, each on
-    a pair of its own, and still cover the same schedules (the test suite does).
+    """Run schedules ``0..schedules-1`` of ``seed`` (or just ``only``) on one database pair.
 
     The pair is ``dbs`` if given, else a fresh one made from ``db`` (``None`` = SQLite files
     under ``workdir``). Each failure is shrunk (unless ``shrink`` is false) on fresh database
@@ -995,9 +992,9 @@ async def run_random(
     ``shrunk_dir`` (default ``workdir``; the CLI gives a folder that outlives the run) that
     ``result.detail["shrunk_repro"]`` replays. Prints nothing.
     """
-    if schedules < 0 or first < 0:
-        raise ValueError("schedules and first must be >= 0")
-    indexes: Collection[int] = [only] if only is not None else range(first, first + schedules)
+    if schedules < 0:
+        raise ValueError("schedules must be >= 0")
+    indexes: Collection[int] = [only] if only is not None else range(schedules)
     results: list[ScenarioResult] = []
     await asyncio.to_thread(workdir.mkdir, parents=True, exist_ok=True)
     async with contextlib.AsyncExitStack() as stack:

@@ -155,26 +155,6 @@ async def drop_pg_database(name: str) -> None:
     await _pg_execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The tests marked ``slow`` first (those that restart the server excepted), the rest in
-    the order collected.
-
-    Why: the suite's processes (``-n`` in pyproject) take tests in collection order, and the
-    longest ones, collected midway, started late: on a slower machine of this kind the last
-    three minutes of the run were one of them alone, the other core idle (2026-12-05). Begun
-    first, they run while the short tests fill the other process. A test that restarts the
-    server keeps its place: it holds the server alone (``_server_lock``), and its module runs
-    it last."""
-
-    def late(item: pytest.Item) -> bool:
-        return (
-            item.get_closest_marker("slow") is None
-            or item.get_closest_marker("restarts_postgres") is not None
-        )
-
-    items[:] = sorted(items, key=late)
-
-
 @pytest.fixture(autouse=True)
 def _server_lock(request: pytest.FixtureRequest) -> Iterator[None]:
     """Every test holds the test server shared; one marked ``restarts_postgres`` holds it alone.

@@ -66,7 +66,6 @@ def test_a_cell_that_does_not_apply_is_refused() -> None:
         Cell("effect.after_apply", "charge", "sometimes")
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("mode", MODES)
 async def test_crash_matrix(db_urls: DbUrls, mode: str) -> None:
