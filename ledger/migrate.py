@@ -1,6 +1,11 @@
 """Schema migrations, applied programmatically (no ``alembic.ini`` at runtime).
 
-* :data:`HEAD` is the newest revision this package ships.
+* :data:`REVISIONS` are the revisions this package ships, oldest first; :data:`HEAD` is the newest.
+  They are written out here, not read from the scripts, so that checking a database's revision
+  (what every ``Store.open()`` does) needs neither Alembic nor the scripts: importing Alembic and
+  parsing the scripts was about a tenth of every ``agent-txn`` command's start-up. A test holds
+  the list equal to what Alembic finds in ``migrations/versions``; Alembic itself is imported
+  only to upgrade or downgrade.
 * :func:`upgrade` applies migrations in **one** database transaction, serialised against other
   processes doing the same: PostgreSQL takes a transaction-scoped advisory lock first; SQLite
   holds its single write lock (``BEGIN IMMEDIATE``) for the whole run. After the lock the revision
@@ -17,20 +22,18 @@ them at the store boundary).
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
-from typing import Final, Literal
+from typing import TYPE_CHECKING, Final, Literal
 
-from alembic import command
-from alembic.config import Config
-from alembic.runtime.migration import MigrationContext
-from alembic.script import ScriptDirectory
 from sqlalchemy import Connection, text
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from ledger.dialects import READ_ONLY_OPTION, translate
 from ledger.errors import MigrationFailed, SchemaOutdated, StoreBusy
+
+if TYPE_CHECKING:
+    from alembic.config import Config
 
 AutoUpgrade = Literal["empty", "always", "never"]
 
@@ -45,6 +48,8 @@ _UPGRADE_HINT = "run `agent-txn db upgrade`"
 
 def alembic_config(connection: Connection | None = None) -> Config:
     """An Alembic config for the packaged scripts; ``connection`` is handed to ``env.py``."""
+    from alembic.config import Config  # local: only migrating needs Alembic (module docs)
+
     config = Config()
     config.set_main_option("script_location", str(MIGRATIONS_DIR))
     config.set_main_option("path_separator", "os")
@@ -53,31 +58,45 @@ def alembic_config(connection: Connection | None = None) -> Config:
     return config
 
 
-@functools.cache
-def _scripts() -> ScriptDirectory:
-    return ScriptDirectory.from_config(alembic_config())
+#: Every revision in ``migrations/versions``, oldest first (a single line of history). Adding a
+#: migration means adding its revision here; ``tests/integration/test_migrations.py`` fails
+#: until the two agree.
+REVISIONS: Final[tuple[str, ...]] = (
+    "0001",
+    "0002",
+    "0003",
+    "0004",
+    "0005",
+    "0006",
+    "0007",
+    "0008",
+)
 
+#: The newest revision this package ships: the one every store needs.
+HEAD: Final[str] = REVISIONS[-1]
 
-def head_revision() -> str:
-    """The newest revision id in the packaged migration scripts."""
-    head = _scripts().get_current_head()
-    if head is None:  # pragma: no cover - the package always ships 0001
-        raise RuntimeError(f"no migration scripts found in {MIGRATIONS_DIR}")
-    return head
+#: Every revision this package ships (a database at another was migrated by a newer agent-txn).
+KNOWN_REVISIONS: Final[frozenset[str]] = frozenset(REVISIONS)
 
-
-#: The newest revision id in the packaged migration scripts.
-HEAD: Final[str] = head_revision()
-
-
-@functools.cache
-def known_revisions() -> frozenset[str]:
-    """Every revision id this package ships."""
-    return frozenset(script.revision for script in _scripts().walk_revisions())
+#: Alembic's table of the database's revision (its default name, which ``env.py`` keeps).
+VERSION_TABLE: Final = "alembic_version"
 
 
 def _current_sync(connection: Connection) -> str | None:
-    return MigrationContext.configure(connection).get_current_revision()
+    """The revision in :data:`VERSION_TABLE`, read as Alembic's
+    ``MigrationContext.get_current_revision()`` reads it: ``None`` when the table is missing or
+    empty."""
+    if not connection.dialect.has_table(connection, VERSION_TABLE):
+        return None
+    rows = connection.execute(text(f"SELECT version_num FROM {VERSION_TABLE}")).scalars().all()
+    if len(rows) > 1:
+        # Alembic writes one row per branch head, and this package's history has one branch.
+        raise SchemaOutdated(
+            f"database schema has several revisions at once ({', '.join(sorted(rows))}) in "
+            f"{VERSION_TABLE}; agent-txn's migrations are one line, so the table was edited by "
+            "hand or by another tool: leave one row, the revision the schema is really at"
+        )
+    return rows[0] if rows else None
 
 
 async def _read_connection(engine: AsyncEngine) -> AsyncConnection:
@@ -131,18 +150,22 @@ def _lock_for_migration(connection: Connection) -> None:
 def _upgrade_sync(connection: Connection, revision: str) -> None:
     _lock_for_migration(connection)
     current = _current_sync(connection)
-    if current is not None and current not in known_revisions():
+    if current is not None and current not in KNOWN_REVISIONS:
         raise _unknown_revision(current)
     if revision in ("head", HEAD) and current == HEAD:
         return  # another process finished it while we waited for the lock
+    from alembic import command  # local: only migrating needs Alembic (module docs)
+
     command.upgrade(alembic_config(connection), revision)
 
 
 def _downgrade_sync(connection: Connection, revision: str) -> None:
     _lock_for_migration(connection)
     current = _current_sync(connection)
-    if current is not None and current not in known_revisions():
+    if current is not None and current not in KNOWN_REVISIONS:
         raise _unknown_revision(current)
+    from alembic import command
+
     command.downgrade(alembic_config(connection), revision)
 
 
@@ -218,7 +241,7 @@ async def ensure_schema(engine: AsyncEngine, *, auto_upgrade: AutoUpgrade = "emp
     current = await current_revision(engine)
     if current == HEAD:
         return
-    if current is not None and current not in known_revisions():
+    if current is not None and current not in KNOWN_REVISIONS:
         raise _unknown_revision(current)
     if auto_upgrade == "always" or (auto_upgrade == "empty" and current is None):
         await upgrade(engine)

@@ -28,10 +28,7 @@ from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any, Final, Literal, Self
 
-import jwt
 import structlog
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import rsa
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 from sqlalchemy.ext.asyncio import AsyncConnection
 
@@ -130,6 +127,11 @@ class AuthSettings(BaseModel):
                 raise ValueError("RS256 needs jwt_public_key (PEM)")
             if self.jwt_secret is not None:
                 raise ValueError("jwt_secret is for HS256; RS256 takes jwt_public_key")
+            # Local, as jwt's below: every process that runs sagas imports this module, and only
+            # a server checking tokens needs PyJWT and cryptography (a twentieth of start-up).
+            from cryptography.hazmat.primitives import serialization
+            from cryptography.hazmat.primitives.asymmetric import rsa
+
             try:
                 key = serialization.load_pem_public_key(self.jwt_public_key.encode())
             except ValueError:
@@ -166,6 +168,8 @@ def authenticate_jwt(token: str, settings: AuthSettings) -> Caller:
     default), ``room`` (the room it acts through), ``ai`` (a JSON boolean), ``tenant`` (must equal
     the deployment's). The signature is checked with the configured algorithm only.
     """
+    import jwt  # local: see AuthSettings._key_fits_algorithm
+
     required = ["exp", "sub"]
     if settings.audience is not None:
         required.append("aud")

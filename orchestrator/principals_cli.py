@@ -23,7 +23,6 @@ from contextlib import asynccontextmanager
 from enum import StrEnum
 from typing import Annotated, Any, Final, TypeVar
 
-import jwt
 import typer
 from rich.markup import escape
 
@@ -477,4 +476,6 @@ def token(
     claims.update({k: v for k, v in optional.items() if v is not None})
     if ai:
         claims["ai"] = True
+    import jwt  # local: only this command signs tokens (PyJWT is a twentieth of start-up)
+
     typer.echo(jwt.encode(claims, secret, algorithm="HS256"))

@@ -19,17 +19,12 @@ shutdown), then closes the engine and the providers, and the process exits 0.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import inspect
-import signal
 import socket
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Final
 
 import typer
-import uvicorn
 from pydantic import ValidationError
 
 from orchestrator.authz import AuthSettings
@@ -83,36 +78,6 @@ SqliteWriterOption = Annotated[
 ]
 #: How long requests in progress may take to finish after SIGTERM.
 GRACEFUL_SECONDS: Final = 10
-
-
-class _Server(uvicorn.Server):
-    """uvicorn's server with signal handling that returns control to us.
-
-    uvicorn re-raises a captured SIGTERM once it has shut down, which would kill the process
-    (default handler) before the engine and the providers are closed; here the signal only asks
-    for the graceful shutdown, and ``serve`` returns normally. ``on_ready`` runs once the socket
-    accepts requests."""
-
-    def __init__(self, config: uvicorn.Config, on_ready: Callable[[], None]) -> None:
-        super().__init__(config)
-        self.on_ready = on_ready
-
-    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        await super().startup(sockets=sockets)
-        if self.started:
-            self.on_ready()
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        loop = asyncio.get_running_loop()
-        handled = (signal.SIGINT, signal.SIGTERM)
-        for sig in handled:
-            loop.add_signal_handler(sig, self.handle_exit, sig, None)
-        try:
-            yield
-        finally:
-            for sig in handled:
-                loop.remove_signal_handler(sig)
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -208,10 +173,15 @@ async def run_server(
     sqlite_writer: SqliteWriter | None = None,
 ) -> None:
     """Open the engine and providers, serve the API until SIGTERM/SIGINT, close everything."""
+    # uvicorn is imported here, not with the module: the CLI imports this module to register
+    # ``serve``, and no other command needs it.
+    import uvicorn
+
     from orchestrator import cli
     from orchestrator.config import EngineSettings
     from orchestrator.engine import Orchestrator
     from orchestrator.http_api import create_app
+    from orchestrator.uvicorn_server import SignalledServer
 
     try:
         sock = _bind(host, port)
@@ -233,7 +203,9 @@ async def run_server(
             timeout_graceful_shutdown=GRACEFUL_SECONDS,
             server_header=False,
         )
-        server = _Server(config, lambda: print(f"agent-txn serving on {_url(sock)}", flush=True))
+        server = SignalledServer(
+            config, lambda: print(f"agent-txn serving on {_url(sock)}", flush=True)
+        )
         await server.serve(sockets=[sock])
     finally:
         sock.close()

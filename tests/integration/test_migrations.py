@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import asyncio
 import re
+import sys
 from collections.abc import AsyncIterator, Callable, Iterable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
 from sqlalchemy import (
     CheckConstraint,
     Connection,
@@ -161,10 +164,41 @@ async def _insert(engine: AsyncEngine, table: Any, row: dict[str, Any]) -> None:
 # -- upgrade ------------------------------------------------------------------------------------
 
 
-def test_head_is_the_newest_packaged_revision() -> None:
-    assert migrate.head_revision() == migrate.HEAD
-    assert migrate.HEAD in migrate.known_revisions()
+def test_the_written_out_revisions_are_the_packaged_scripts() -> None:
+    # migrate.REVISIONS is written out so that opening a store needs no Alembic; this is what
+    # keeps it honest when a migration is added.
+    scripts = ScriptDirectory.from_config(migrate.alembic_config())
+    oldest_first = tuple(reversed([script.revision for script in scripts.walk_revisions()]))
+    assert oldest_first == migrate.REVISIONS
+    assert scripts.get_heads() == [migrate.HEAD]
+    assert set(oldest_first) == migrate.KNOWN_REVISIONS
     assert migrate.MIGRATIONS_DIR.joinpath("versions", "0001_initial.py").is_file()
+
+
+async def test_opening_a_store_at_head_does_not_import_alembic(tmp_path: Path) -> None:
+    # Every command opens a store; importing Alembic and parsing its scripts was a tenth of
+    # each command's start-up. Only migrating imports it now.
+    url = f"sqlite+aiosqlite:///{tmp_path / 'at-head.db'}"
+    engine = create_async_engine(url)
+    try:
+        await migrate.upgrade(engine)
+    finally:
+        await engine.dispose()
+    code = (
+        "import asyncio, sys\n"
+        "from ledger.store import Store\n"
+        "async def main():\n"
+        f"    store = await Store.open({url!r})\n"
+        "    await store.close()\n"
+        "asyncio.run(main())\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'alembic'))\n"
+    )
+    child = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", code, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
+    out, err = await child.communicate()
+    assert child.returncode == 0, err.decode()
+    assert out.decode().strip() == "[]"
 
 
 async def test_upgrade_empty_database_reaches_head(make_engine: EngineFactory, flavor: str) -> None:
@@ -688,6 +722,24 @@ async def test_unknown_revision_is_refused(engine: AsyncEngine, mode: str) -> No
     with pytest.raises(SchemaOutdated, match="9999_future"):
         await migrate.upgrade(engine)
     assert await migrate.current_revision(engine) == "9999_future"
+
+
+async def test_a_version_table_with_two_revisions_is_refused(engine: AsyncEngine) -> None:
+    # Alembic keeps one row per branch head; ours is one line, so two rows mean hand edits.
+    async with engine.begin() as conn:
+        await conn.execute(text("INSERT INTO alembic_version (version_num) VALUES ('0001')"))
+    with pytest.raises(SchemaOutdated, match=r"several revisions at once \(0001, ") as excinfo:
+        await migrate.ensure_schema(engine, auto_upgrade="always")
+    assert "leave one row" in str(excinfo.value)
+    with pytest.raises(SchemaOutdated, match="several revisions"):
+        await migrate.upgrade(engine)
+
+
+async def test_an_empty_version_table_reads_as_no_revision(make_engine: EngineFactory) -> None:
+    engine = make_engine()
+    async with engine.begin() as conn:
+        await conn.execute(text("CREATE TABLE alembic_version (version_num VARCHAR(32))"))
+    assert await migrate.current_revision(engine) is None
 
 
 # -- concurrency and atomicity ------------------------------------------------------------------
