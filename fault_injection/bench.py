@@ -35,7 +35,7 @@ from collections.abc import AsyncIterator, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from fault_injection.bench_driver import measure_driver
 from fault_injection.harness import DatabasePair, fresh_databases
@@ -53,10 +53,11 @@ from providers.contract import (
     LookupOutcome,
     Provider,
 )
-from providers.fake.http_server import fake_shop_http_providers
 from providers.fake.shop import FakeShop
-from providers.http import HttpProvider
 from providers.memory import MemoryShop
+
+if TYPE_CHECKING:
+    from providers.http import HttpProvider
 
 ProviderKind = Literal["memory", "fake", "http"]
 PROVIDERS: tuple[ProviderKind, ...] = ("memory", "fake", "http")
@@ -311,6 +312,10 @@ async def open_shop(kind: ProviderKind, provider_url: str) -> AsyncIterator[Shop
             await fake.seed_stock(STOCK)
             yield Shop(None, fake)
             return
+        # Local: httpx is for the http provider only, and every agent-txn command imports this
+        # module (the bench's options are registered at start-up).
+        from providers.fake.http_server import fake_shop_http_providers
+
         assert base_url is not None
         clients = fake_shop_http_providers(base_url, timeout=HTTP_TIMEOUT_SECONDS)
         for client in clients:

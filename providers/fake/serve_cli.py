@@ -20,7 +20,6 @@ from typing import Annotated
 
 import typer
 
-from providers.fake.http_server import serve as serve_shop
 from providers.fake.shop import FakeShop
 
 app = typer.Typer(
@@ -59,6 +58,9 @@ class ServeError(Exception):
 
 
 async def _run(db: str, host: str, port: int, stock: dict[str, int]) -> None:
+    # Local: the CLI imports this module to register the command, and only serving needs httpx.
+    from providers.fake.http_server import serve as serve_shop
+
     try:
         shop = await FakeShop.open(db)
     except Exception as exc:

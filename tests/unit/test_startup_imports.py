@@ -2,7 +2,7 @@
 
 Every ``agent-txn`` command, worker, crash-matrix victim and program embedding the engine pays
 its imports before doing anything. Alembic (and the migration scripts it parsed for the head
-revision), PyJWT with cryptography, and uvicorn were about 30 % of the CPU of ``agent-txn
+revision), PyJWT with cryptography, uvicorn and httpx were about 30 % of the CPU of ``agent-txn
 --help`` or ``agent-txn review list`` (``docs/benchmarks-log.md``, item 67); they are imported
 by the commands that migrate, check tokens and serve HTTP, and only there.
 """
@@ -15,13 +15,28 @@ import sys
 import pytest
 
 #: Top-level packages a process must not import just to start.
-ONLY_WHEN_USED = ("alembic", "mako", "jwt", "cryptography", "uvicorn", "fastapi", "mcp")
+ONLY_WHEN_USED = (
+    "alembic",
+    "mako",
+    "jwt",
+    "cryptography",
+    "uvicorn",
+    "fastapi",
+    "mcp",
+    "httpx",
+)
 
 
-@pytest.mark.parametrize("module", ["orchestrator", "orchestrator.cli"])
-def test_starting_imports_none_of_the_packages_only_some_commands_use(module: str) -> None:
+@pytest.mark.parametrize(
+    "start",
+    [
+        "import orchestrator",  # a program embedding the engine
+        "import orchestrator.cli; orchestrator.cli.load_plugins()",  # every agent-txn command
+    ],
+)
+def test_starting_imports_none_of_the_packages_only_some_commands_use(start: str) -> None:
     code = (
-        f"import sys, {module}\n"
+        f"import sys; {start}\n"
         "imported = {name.split('.')[0] for name in sys.modules}\n"
         f"print(' '.join(sorted(imported & {set(ONLY_WHEN_USED)!r})))"
     )
