@@ -2,9 +2,9 @@
 
 Every ``agent-txn`` command, worker, crash-matrix victim and program embedding the engine pays
 its imports before doing anything. Alembic (and the migration scripts it parsed for the head
-revision), PyJWT with cryptography, uvicorn and httpx were about 30 % of the CPU of ``agent-txn
---help`` or ``agent-txn review list`` (``docs/benchmarks-log.md``, item 67); they are imported
-by the commands that migrate, check tokens and serve HTTP, and only there.
+revision), PyJWT with cryptography, uvicorn and httpx were about a third of the CPU of
+``agent-txn --help`` or ``agent-txn review list`` (``docs/benchmarks-log.md``, item 67); they
+are imported by the code that migrates, checks tokens, serves HTTP or calls a provider over it.
 """
 
 from __future__ import annotations
