@@ -28,7 +28,6 @@ import asyncio
 import signal
 import statistics
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
@@ -38,7 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from fault_injection.bench_driver import measure_driver
-from fault_injection.harness import DatabasePair, fresh_databases
+from fault_injection.harness import DatabasePair, fresh_databases, scratch_folder
 from fault_injection.sagas import STOCK, order, order_saga
 from fault_injection.server_cpu import per_saga_ms, read_server, server_cpu_seconds
 from ledger import dialects
@@ -382,11 +381,12 @@ async def run_bench(
     workdir: Path | None = None,
 ) -> BenchResult:
     """One benchmark run. ``urls`` reuses an existing pair of empty databases (tests);
-    otherwise ``db`` (omitted: SQLite files; a PostgreSQL URL: that server) gets fresh ones,
-    dropped after."""
+    otherwise ``db`` gets fresh ones, dropped after: SQLite files in a temporary folder
+    (omitted) or in the folder of the file a SQLite URL names, databases on the server a
+    PostgreSQL URL names (:func:`~fault_injection.harness.scratch_folder`)."""
     async with AsyncExitStack() as stack:
         if workdir is None:
-            workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-")))
+            workdir = Path(stack.enter_context(scratch_folder(db, "bench-")))
         if urls is None:
             urls = await stack.enter_async_context(fresh_databases(db, workdir))
         if config.recovery:

@@ -8,8 +8,10 @@
         [--match-time]]
         [--sqlite-synchronous FULL|NORMAL] [--driver-seconds S]
 
-``--db`` omitted runs on fresh SQLite files in a temporary folder; a PostgreSQL URL names the
-*server*: fresh databases are created there and dropped after. Modes: in-process ``execute``
+``--db`` omitted runs on fresh SQLite files in a temporary folder, and a SQLite URL on fresh
+files in the folder of the file it names (the disk is what a SQLite figure under ``FULL``
+measures); a PostgreSQL URL names the *server*: fresh databases are created there and dropped
+after. Either way each run's databases are removed after it. Modes: in-process ``execute``
 (sequential, or C in flight), ``--workers W`` (W worker processes drain sagas the bench
 prepared; PostgreSQL), ``--recovery`` (N sagas left in doubt by a crash, W fresh worker
 processes timed until all are terminal). ``--compare dbos`` alternates ours and DBOS's, pair by
@@ -32,12 +34,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from fault_injection.bench import (
@@ -47,7 +49,8 @@ from fault_injection.bench import (
     BenchResult,
     run_bench,
 )
-from fault_injection.bench_environment import describe, one_line
+from fault_injection.bench_environment import describe, memory_files_note, one_line
+from fault_injection.harness import scratch_folder
 from fault_injection.steal import read_cpu_times, stolen_share
 from fault_injection.sweep import (
     OURS_SWEEP_CONCURRENCY,
@@ -147,7 +150,13 @@ def _usage(out: Console, message: str) -> typer.Exit:
 
 @app.callback()
 def bench(
-    db: Annotated[str | None, typer.Option(help="SQLite URL, or a PostgreSQL server URL.")] = None,
+    db: Annotated[
+        str | None,
+        typer.Option(
+            help="A PostgreSQL server URL (fresh databases are made there), or a SQLite URL "
+            "(fresh files in its file's folder; default: a temporary folder)."
+        ),
+    ] = None,
     sagas: Annotated[int, typer.Option(min=1, help="Measured sagas.")] = 1000,
     concurrency: Annotated[
         str,
@@ -212,9 +221,16 @@ def bench(
     ] = False,
 ) -> None:
     """Run the order saga (reserve + charge, receipt via the outbox) and report its costs."""
-    from fault_injection.cli import checked_db, prepared_output, run_job, write_output
+    from fault_injection.cli import (
+        checked_db,
+        checked_scratch,
+        prepared_output,
+        run_job,
+        write_output,
+    )
 
     checked_db(db)
+    checked_scratch(db)
     prepared_output(json_path, "--json")
     out = Console(highlight=False, soft_wrap=True)
     if provider not in PROVIDERS:
@@ -291,6 +307,9 @@ def bench(
     )
     environment = asyncio.run(describe(db, compare=compare))
     out.print(one_line(environment))
+    note = memory_files_note(environment)
+    if note is not None:
+        out.print(f"[yellow]{escape(note)}[/]")
     ours_sweep = None
     if ours_in_flight == "auto":
         ours_sweep = _sweep_ours(config, db, sweep_settings, out)
@@ -425,7 +444,7 @@ def _compare(
     tuning: SqliteTuning = "fast" if dbos_sqlite == "fast" else "default"
     done: list[ComparePair] = []
     ours_sagas = config.sagas
-    with tempfile.TemporaryDirectory(prefix="bench-dbos-") as tmp:
+    with scratch_folder(db, "bench-dbos-") as tmp:
         sweep = None
         if dbos_concurrency == "auto":
             sweep = _sweep_dbos(config, db, Path(tmp), tuning, out)

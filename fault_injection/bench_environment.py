@@ -11,7 +11,9 @@ Read from the running process and the database server, never configured: the pro
 name (``/proc/cpuinfo``; ``platform.processor()`` where there is none), the CPUs the process
 may use, the operating system and architecture, Python, the SQLite library the engine (and DBOS)
 link, the PostgreSQL server's version when the run is on PostgreSQL, and the versions of
-agent-txn and, with ``--compare dbos``, of DBOS.
+agent-txn and, with ``--compare dbos``, of DBOS. On SQLite also where the run's files are and
+the file system there (``/proc/mounts``): a commit under ``FULL`` waits for that disk, and a
+``/tmp`` on tmpfs has no disk to wait for, so the same run reads several times faster there.
 """
 
 from __future__ import annotations
@@ -19,15 +21,19 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import platform
+import re
 import sqlite3
+import tempfile
 from pathlib import Path
 from typing import Any
 
 from sqlalchemy import text
 
+from fault_injection.harness import sqlite_folder
 from ledger import dialects
 
 CPUINFO = Path("/proc/cpuinfo")
+MOUNTS = Path("/proc/mounts")
 
 
 def processor_model(cpuinfo: Path = CPUINFO) -> str | None:
@@ -57,6 +63,40 @@ def package_version(name: str) -> str | None:
         return importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
         return None
+
+
+def _unescaped(field: str) -> str:
+    # /proc/mounts writes a space, tab, newline or backslash in a path as a 3-digit octal escape.
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def filesystem_of(path: Path, mounts: Path = MOUNTS) -> str | None:
+    """The type of the file system ``path`` is on (``ext4``, ``tmpfs`` …): that of the longest
+    mount point above it, the last one mounted there winning; ``None`` where the mounts cannot
+    be read (not Linux)."""
+    try:
+        lines = mounts.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return None
+    target = path.resolve()
+    found, depth = None, -1
+    for line in lines:
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        point = Path(_unescaped(fields[1]))
+        if (point == target or point in target.parents) and len(point.parts) >= depth:
+            found, depth = fields[2], len(point.parts)
+    return found
+
+
+def sqlite_files(db: str | None) -> dict[str, str | None] | None:
+    """Where a run on ``db`` keeps its SQLite files and on what file system; ``None`` on
+    PostgreSQL (:func:`fault_injection.harness.scratch_folder` makes the folder)."""
+    if db is not None and dialects.dialect_of(dialects.normalize_url(db)) != "sqlite":
+        return None
+    folder = sqlite_folder(db) or Path(tempfile.gettempdir())
+    return {"folder": str(folder), "filesystem": filesystem_of(folder)}
 
 
 async def postgres_server_version(url: str) -> str:
@@ -90,10 +130,28 @@ async def describe(db: str | None, *, compare: str | None = None) -> dict[str, A
         "arch": platform.machine(),
         "python": f"{platform.python_implementation()} {platform.python_version()}",
         "sqlite": sqlite3.sqlite_version,
+        "sqlite_files": sqlite_files(db),
         "postgresql": postgresql,
         "agent_txn": package_version("agent-txn"),
         "dbos": package_version("dbos") if compare == "dbos" else None,
     }
+
+
+#: File systems that keep files in memory: a commit there waits for no disk.
+MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs"})
+
+
+def memory_files_note(environment: dict[str, Any]) -> str | None:
+    """A line for a run whose SQLite files are in memory (a ``/tmp`` on tmpfs, as several
+    distributions mount it), which no durable deployment is; ``None`` otherwise."""
+    files = environment.get("sqlite_files")
+    if not files or files["filesystem"] not in MEMORY_FILESYSTEMS:
+        return None
+    return (
+        f"note: the SQLite files are in {files['folder']}, on {files['filesystem']} (memory): "
+        "commits wait for no disk. To measure a disk, name a file on it: "
+        "--db sqlite+aiosqlite:///DIR/bench.db (fresh files are made in DIR)"
+    )
 
 
 def one_line(environment: dict[str, Any]) -> str:
@@ -104,6 +162,11 @@ def one_line(environment: dict[str, Any]) -> str:
         environment["python"],
         f"SQLite {environment['sqlite']}",
     ]
+    files = environment.get("sqlite_files")
+    if files:
+        parts[-1] += (
+            f" (files in {files['folder']}, {files['filesystem'] or 'file system unknown'})"
+        )
     if environment["postgresql"]:
         parts.append(f"PostgreSQL {environment['postgresql']}")
     parts.append(f"agent-txn {environment['agent_txn'] or '(not installed)'}")
@@ -114,9 +177,12 @@ def one_line(environment: dict[str, Any]) -> str:
 
 __all__ = [
     "describe",
+    "filesystem_of",
+    "memory_files_note",
     "one_line",
     "package_version",
     "postgres_server_version",
     "processor_model",
+    "sqlite_files",
     "usable_cpus",
 ]

@@ -27,12 +27,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import tempfile
 import uuid
 from pathlib import Path
 
 from fault_injection.bench import _run_sagas, open_shop
-from fault_injection.harness import DatabasePair, fresh_databases
+from fault_injection.harness import DatabasePair, fresh_databases, scratch_folder
 from fault_injection.sagas import order_saga
 from ledger.store import SQLITE_WRITERS, SqliteWriter
 from orchestrator.config import EngineSettings
@@ -72,7 +71,7 @@ async def run(
 
 
 async def _main(args: argparse.Namespace) -> None:
-    with tempfile.TemporaryDirectory(prefix="steady-") as workdir:
+    with scratch_folder(args.db, "steady-") as workdir:
         async with fresh_databases(args.db, Path(workdir)) as urls:
             await run(
                 args.sagas,

@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import tempfile
 import time
 from collections.abc import Callable, Coroutine
 from pathlib import Path
@@ -58,6 +57,28 @@ def checked_db(url: str | None, option: str = "--db", *, must_exist: bool = Fals
         path = cli._sqlite_path(normalize_url(url))
         if path is not None and not path.exists():
             _refuse(f"{option}: no database at {path}")
+
+
+def checked_scratch(url: str | None) -> None:
+    """For a command that makes fresh databases: a SQLite ``--db`` says where their files go, the
+    folder of the file it names (:func:`fault_injection.harness.scratch_folder`). Refuse, with
+    one line and exit code 2, an in-memory URL or a folder that is not there or not writable,
+    before anything runs."""
+    from fault_injection.harness import sqlite_folder
+
+    try:
+        folder = sqlite_folder(url)
+    except ValueError as exc:
+        _refuse(f"--db: {exc}")
+    if folder is None:
+        return
+    if not folder.is_dir():
+        _refuse(
+            f"--db: no folder {folder} for the run's SQLite files (a SQLite URL says where they "
+            "go: fresh files in the folder of the file it names, removed after)"
+        )
+    if not os.access(folder, os.W_OK | os.X_OK):
+        _refuse(f"--db: cannot make the run's SQLite files in {folder} (no write permission)")
 
 
 def prepared_output(path: Path | None, option: str) -> None:
@@ -137,7 +158,13 @@ def run(
     schedules: Annotated[int, typer.Option(min=1, help="Random schedules to run.")] = 200,
     seed: Annotated[int | None, typer.Option(help="Seed of the random suite (printed).")] = None,
     workers: Annotated[int, typer.Option(min=1, max=64, help="Concurrent recovering workers.")] = 4,
-    db: Annotated[str | None, typer.Option(help="SQLite URL, or a PostgreSQL server URL.")] = None,
+    db: Annotated[
+        str | None,
+        typer.Option(
+            help="A PostgreSQL server URL (fresh databases are made there), or a SQLite URL "
+            "(fresh files in its file's folder; default: a temporary folder)."
+        ),
+    ] = None,
     report: Annotated[Path | None, typer.Option(help="Write PATH.json and PATH.md.")] = None,
     only: Annotated[str | None, typer.Option(help="One matrix cell or random index.")] = None,
     modes: Annotated[
@@ -149,7 +176,10 @@ def run(
 ) -> None:
     """Run a suite; print PASS/FAIL per scenario and a summary."""
     checked_db(db)
+    checked_scratch(db)
     prepared_output(report, "--report")
+    from fault_injection.harness import scratch_folder
+
     out = _console()
     if suite not in SUITES:
         out.print(f"[red]error:[/] --suite must be one of {', '.join(SUITES)}")
@@ -160,7 +190,7 @@ def run(
     if "random" in chosen:
         out.print(f"random suite seed: {run_seed}")
     started = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="agent-txn-fi-") as tmp, _progress(out) as progress:
+    with scratch_folder(db, "agent-txn-fi-") as tmp, _progress(out) as progress:
         workdir = Path(tmp)
         for name in chosen:
             total = schedules if name == "random" and only is None else None
@@ -289,12 +319,20 @@ def replay(
             "'shrunk' object saved as one.",
         ),
     ],
-    db: Annotated[str | None, typer.Option(help="SQLite URL, or a PostgreSQL server URL.")] = None,
+    db: Annotated[
+        str | None,
+        typer.Option(
+            help="A PostgreSQL server URL (fresh databases are made there), or a SQLite URL "
+            "(fresh files in its file's folder; default: a temporary folder)."
+        ),
+    ] = None,
     report: Annotated[Path | None, typer.Option(help="Write PATH.json and PATH.md.")] = None,
 ) -> None:
     """Run one saved schedule alone on fresh databases; print PASS/FAIL and the summary."""
     checked_db(db)
+    checked_scratch(db)
     prepared_output(report, "--report")
+    from fault_injection.harness import scratch_folder
     from fault_injection.schedules import run_fresh, schedule_from_json
 
     try:
@@ -307,7 +345,7 @@ def replay(
         _refuse(f"{schedule_file}: not a schedule: {exc}")
     out = _console()
     started = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="agent-txn-fi-") as tmp:
+    with scratch_folder(db, "agent-txn-fi-") as tmp:
         result = run_job(run_fresh(schedule, db, Path(tmp), repro_db=db, replay_file=schedule_file))
     out.print(f"[{'green' if result.passed else 'red'}]{escape(result.line)}[/]")
     summary = RunSummary(results=[result])
@@ -350,12 +388,13 @@ def fleet(
 ) -> None:
     """Recovery time of N in-doubt sagas with W real worker processes; invariants checked."""
     checked_db(db)
+    checked_scratch(db)
     from fault_injection.fleet import run_fleet
-    from fault_injection.harness import Harness, fresh_databases
+    from fault_injection.harness import Harness, fresh_databases, scratch_folder
     from fault_injection.invariants import check_invariants
 
     async def job() -> dict[str, Any]:
-        with tempfile.TemporaryDirectory(prefix="agent-txn-fleet-") as tmp:
+        with scratch_folder(db, "agent-txn-fleet-") as tmp:
             async with fresh_databases(db, Path(tmp)) as dbs:
                 harness = await Harness.open(dbs)
                 try:

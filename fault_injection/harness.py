@@ -6,11 +6,16 @@ clocks run past the dead holder's leases and drains them concurrently.
 
 :func:`fresh_databases` makes the pair of databases a run works on: two SQLite files in a work
 folder, or two new databases on the PostgreSQL server a ``--db`` URL names (dropped after).
+:func:`scratch_folder` makes that work folder: where a SQLite ``--db`` URL's file would be, or
+a temporary folder when there is none. A run needs fresh files, so a SQLite URL cannot name
+them; it names the disk they are on instead, which is what a SQLite figure under ``FULL``
+measures (a ``/tmp`` on tmpfs has no fsync to wait for).
 """
 
 from __future__ import annotations
 
 import asyncio
+import tempfile
 import uuid
 from collections.abc import AsyncIterator, Collection, Mapping
 from contextlib import asynccontextmanager
@@ -48,6 +53,29 @@ def suite_settings(**overrides: Any) -> EngineSettings:
     """Engine settings for one suite "process" (a unique worker id each)."""
     values = {**SUITE_SETTINGS, "worker_id": f"fi-{uuid.uuid4().hex[:8]}", **overrides}
     return EngineSettings.model_validate(values)
+
+
+def sqlite_folder(db: str | None) -> Path | None:
+    """The folder of the file a SQLite URL names, where a run's fresh SQLite files go; ``None``
+    with no URL (a temporary folder) or a PostgreSQL one. Raises :class:`ValueError` for an
+    in-memory database, which the engine's writer process and the shop could not share."""
+    if db is None:
+        return None
+    url = make_url(normalize_url(db))
+    if url.get_backend_name() != "sqlite":
+        return None
+    if not url.database or url.database == ":memory:":
+        raise ValueError(
+            "an in-memory SQLite database cannot be shared by the engine, its writer process "
+            "and the shop; give a file URL (fresh files are made in its folder)"
+        )
+    return Path(url.database).expanduser().absolute().parent
+
+
+def scratch_folder(db: str | None, prefix: str) -> tempfile.TemporaryDirectory[str]:
+    """A new folder for one run's files, removed after: in :func:`sqlite_folder` of ``db``, or
+    the system's temporary folder."""
+    return tempfile.TemporaryDirectory(prefix=prefix, dir=sqlite_folder(db))
 
 
 @dataclass(frozen=True)

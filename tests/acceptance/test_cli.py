@@ -396,6 +396,27 @@ def test_unreachable_database_is_one_clean_line(args: list[str], tmp_path: Path)
     assert run.err.strip() == "error: StoreUnavailable: database unreachable", run.err
 
 
+@pytest.mark.parametrize("command", [["bench", "--sagas", "1"], ["fault-inject", "run"]])
+@pytest.mark.parametrize(
+    ("where", "message"),
+    [
+        ("missing/bench.db", "--db: no folder {tmp}/missing for the run's SQLite files"),
+        (":memory:", "--db: an in-memory SQLite database cannot be shared"),
+    ],
+)
+def test_a_sqlite_db_for_fresh_databases_must_name_a_folder_that_is_there(
+    command: list[str], where: str, message: str, tmp_path: Path
+) -> None:
+    """A run makes fresh SQLite files in the folder of the file ``--db`` names (its disk is what
+    a commit waits for); a folder that is not there is refused before anything runs."""
+    url = f"sqlite+aiosqlite:///{where if where == ':memory:' else tmp_path / where}"
+    run = cli(*command, "--db", url, cwd=tmp_path)
+    assert run.code == 2, (run.out, run.err)
+    assert "Traceback" not in run.err
+    assert run.err.startswith("error: " + message.format(tmp=tmp_path)), run.err
+    assert not (tmp_path / "missing").exists()
+
+
 def test_fault_inject_check_needs_existing_sqlite_files(tmp_path: Path) -> None:
     """``check`` reads a pair of databases: a SQLite path that is not there is one error line,
     and no empty file is left behind (connecting would have created one)."""

@@ -20,7 +20,7 @@ import pytest
 import sqlalchemy
 from typer.testing import CliRunner, Result
 
-from fault_injection import bench_cli, bench_dbos, bench_steady
+from fault_injection import bench, bench_cli, bench_dbos, bench_steady
 from fault_injection.bench import UNGROUPED_COMMITS_PER_SAGA, BenchConfig, run_bench
 from fault_injection.bench_cli import app
 from fault_injection.bench_dbos import (
@@ -31,7 +31,7 @@ from fault_injection.bench_dbos import (
     matched_sagas,
 )
 from fault_injection.bench_driver import raw_commit_rate
-from fault_injection.bench_environment import describe, package_version
+from fault_injection.bench_environment import describe, filesystem_of, package_version
 from fault_injection.contract_checks import check_provider_contract
 from fault_injection.harness import DatabasePair
 from fault_injection.server_cpu import is_local_postgres, read_server, server_cpu_seconds
@@ -392,6 +392,41 @@ def _compare_dbos(
     return _bench_json(
         tmp_path, "--compare", "dbos", *flags, sagas=5, backend=backend, exit_code=exit_code
     )
+
+
+@pytest.mark.skipif(not dbos_available(), reason="dbos is not installed (extra: bench)")
+@pytest.mark.usefixtures("dbos_console")
+def test_bench_cli_makes_both_engines_sqlite_files_in_the_folder_a_sqlite_db_names(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A SQLite ``--db`` names the disk: every run's fresh files (ours and DBOS's) are made in
+    the folder of the file it names, and removed after. It was ignored before: the files went
+    to the temporary folder, on tmpfs on some systems, whatever the URL said."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    workdirs: list[Path] = []
+    ours, theirs = bench.fresh_databases, bench_dbos._database
+
+    def our_databases(db: str | None, workdir: Path) -> Any:
+        workdirs.append(workdir)
+        return ours(db, workdir)
+
+    def dboss_database(db: str | None, workdir: Path) -> Any:
+        workdirs.append(workdir)
+        return theirs(db, workdir)
+
+    monkeypatch.setattr(bench, "fresh_databases", our_databases)
+    monkeypatch.setattr(bench_dbos, "_database", dboss_database)
+    got, data = _compare_dbos(
+        tmp_path, "--pairs", "1", "--db", f"sqlite+aiosqlite:///{disk / 'bench.db'}"
+    )
+
+    assert len(workdirs) == 2  # our half, DBOS's half
+    assert [w.parent for w in workdirs] == [disk, disk]
+    assert list(disk.iterdir()) == []  # removed after the run
+    files = {"folder": str(disk), "filesystem": filesystem_of(disk)}
+    assert data["environment"]["sqlite_files"] == files
+    assert f"(files in {disk}, {files['filesystem']})" in got.output
 
 
 @pytest.mark.skipif(not dbos_available(), reason="dbos is not installed (extra: bench)")
