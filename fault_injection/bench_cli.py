@@ -198,7 +198,9 @@ def bench(
     compare: Annotated[
         str | None, typer.Option(help="dbos: run DBOS's version alternately with ours.")
     ] = None,
-    pairs: Annotated[int, typer.Option(min=1, max=20, help="Pairs with --compare.")] = 3,
+    pairs: Annotated[
+        int | None, typer.Option(min=1, max=20, help="Pairs with --compare [default: 3].")
+    ] = None,
     dbos_concurrency: Annotated[
         str | None,
         typer.Option(
@@ -209,8 +211,12 @@ def bench(
         ),
     ] = None,
     dbos_sqlite: Annotated[
-        str, typer.Option(help="DBOS on SQLite: fast (WAL + NORMAL) | default (as DBOS sets it).")
-    ] = "fast",
+        str | None,
+        typer.Option(
+            help="With --compare, DBOS on SQLite: fast (WAL + NORMAL) | default (as DBOS sets "
+            "it) [default: fast]."
+        ),
+    ] = None,
     match_time: Annotated[
         bool,
         typer.Option(
@@ -250,6 +256,11 @@ def bench(
         raise _usage(out, "--match-time sizes the halves of --compare dbos pairs: add --compare")
     if dbos_concurrency is not None and compare is None:
         raise _usage(out, "--dbos-concurrency sets DBOS's half of --compare dbos: add --compare")
+    # The options of DBOS's half, refused without it as above rather than silently ignored.
+    if pairs is not None and compare is None:
+        raise _usage(out, "--pairs counts the pairs of --compare dbos: add --compare")
+    if dbos_sqlite is not None and compare is None:
+        raise _usage(out, "--dbos-sqlite sets DBOS's SQLite in --compare dbos: add --compare")
     ours_in_flight = _option_in_flight(out, "--concurrency", concurrency)
     dbos_in_flight = (
         None
@@ -270,7 +281,7 @@ def bench(
             raise _usage(out, "--compare takes one value: dbos")
         if workers or recovery:
             raise _usage(out, "--compare dbos runs the in-process modes only (no --workers)")
-        if dbos_sqlite not in ("fast", "default"):
+        if dbos_sqlite not in (None, "fast", "default"):
             raise _usage(out, "--dbos-sqlite must be fast or default")
         from fault_injection.bench_dbos import dbos_available
 
@@ -323,8 +334,8 @@ def bench(
         data, ok = _compare(
             config,
             db,
-            pairs,
-            dbos_sqlite,
+            3 if pairs is None else pairs,
+            dbos_sqlite or "fast",
             out,
             match_time=match_time,
             dbos_concurrency=dbos_in_flight,

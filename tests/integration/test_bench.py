@@ -249,6 +249,8 @@ def test_bench_cli_refuses_unknown_provider() -> None:
         ["--compare", "temporal"],
         ["--match-time"],  # sizes the halves of a DBOS comparison: nothing to match alone
         ["--dbos-concurrency", "4"],  # DBOS's half of a comparison: there is none
+        ["--pairs", "5"],  # likewise: silently one run before
+        ["--dbos-sqlite", "default"],
         # auto sweeps the in-process modes; a worker's sagas in hand are a number
         ["--concurrency", "auto", "--db", "postgresql://server/x", "--workers", "2"],
         ["--concurrency", "auto", "--recovery", "--provider", "fake"],
