@@ -251,6 +251,8 @@ def bench(
     if recovery:
         if provider != "fake":
             raise _usage(out, "--recovery runs the fleet's fake shop: add --provider fake")
+        if latency_ms:
+            raise _usage(out, "--recovery adds no --latency-ms: its workers call the fake shop")
         workers = workers or 1
     if match_time and compare is None:
         raise _usage(out, "--match-time sizes the halves of --compare dbos pairs: add --compare")

@@ -246,6 +246,7 @@ def test_bench_cli_refuses_unknown_provider() -> None:
     [
         ["--workers", "2"],  # SQLite: worker processes need PostgreSQL
         ["--recovery", "--provider", "memory"],  # recovery runs the fleet's fake shop
+        ["--recovery", "--provider", "fake", "--latency-ms", "5"],  # and adds no latency
         ["--compare", "temporal"],
         ["--match-time"],  # sizes the halves of a DBOS comparison: nothing to match alone
         ["--dbos-concurrency", "4"],  # DBOS's half of a comparison: there is none
