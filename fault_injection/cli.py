@@ -23,6 +23,7 @@ import os
 import random
 import time
 from collections.abc import Callable, Coroutine
+from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Annotated, Any, NoReturn, TypeVar
 
@@ -155,9 +156,14 @@ def run(
     suite: Annotated[
         str, typer.Option(help="seed | faults | concurrency | matrix | random | all")
     ] = "seed",
-    schedules: Annotated[int, typer.Option(min=1, help="Random schedules to run.")] = 200,
+    schedules: Annotated[
+        int | None, typer.Option(min=1, help="Random schedules to run [default: 200].")
+    ] = None,
     seed: Annotated[int | None, typer.Option(help="Seed of the random suite (printed).")] = None,
-    workers: Annotated[int, typer.Option(min=1, max=64, help="Concurrent recovering workers.")] = 4,
+    workers: Annotated[
+        int | None,
+        typer.Option(min=1, max=64, help="Concurrent recovering workers [default: 4]."),
+    ] = None,
     db: Annotated[
         str | None,
         typer.Option(
@@ -168,8 +174,8 @@ def run(
     report: Annotated[Path | None, typer.Option(help="Write PATH.json and PATH.md.")] = None,
     only: Annotated[str | None, typer.Option(help="One matrix cell or random index.")] = None,
     modes: Annotated[
-        str, typer.Option(help="Matrix crash modes: inprocess,kill.")
-    ] = "inprocess,kill",
+        str | None, typer.Option(help="Matrix crash modes [default: inprocess,kill].")
+    ] = None,
     allow_server_restart: Annotated[
         bool, typer.Option(help="Concurrency suite on PostgreSQL: restart the server once.")
     ] = False,
@@ -185,6 +191,15 @@ def run(
         out.print(f"[red]error:[/] --suite must be one of {', '.join(SUITES)}")
         raise typer.Exit(2)
     chosen = ["seed", "faults", "concurrency", "matrix", "random"] if suite == "all" else [suite]
+    _check_run_options(
+        chosen,
+        schedules=schedules,
+        seed=seed,
+        workers=workers,
+        only=only,
+        modes=modes,
+        allow_server_restart=allow_server_restart,
+    )
     run_seed = seed if seed is not None else random.SystemRandom().randrange(1, 2**31)
     summary = RunSummary(seed=run_seed if "random" in chosen else None)
     if "random" in chosen:
@@ -193,7 +208,7 @@ def run(
     with scratch_folder(db, "agent-txn-fi-") as tmp, _progress(out) as progress:
         workdir = Path(tmp)
         for name in chosen:
-            total = schedules if name == "random" and only is None else None
+            total = (schedules or DEFAULT_SCHEDULES) if name == "random" and only is None else None
             task = progress.add_task(name, total=total)
 
             def done(result: ScenarioResult, task: Any = task) -> None:
@@ -212,11 +227,11 @@ def run(
                     name,
                     db,
                     workdir,
-                    schedules=schedules,
+                    schedules=schedules or DEFAULT_SCHEDULES,
                     seed=run_seed,
-                    workers=workers,
+                    workers=workers or DEFAULT_WORKERS,
                     only=only,
-                    modes=modes,
+                    modes=modes or DEFAULT_MODES,
                     allow_server_restart=allow_server_restart,
                     progress=done,
                     # Shrunk schedules outlive the run's work folder, so replay can find them.
@@ -229,6 +244,68 @@ def run(
         paths = written_report(summary, report)
         out.print("report: " + ", ".join(str(p) for p in paths))
     raise typer.Exit(0 if summary.ok else 1)
+
+
+DEFAULT_SCHEDULES = 200
+DEFAULT_WORKERS = 4
+DEFAULT_MODES = "inprocess,kill"
+
+#: The suites each of ``run``'s options applies to.
+_OPTION_SUITES: dict[str, tuple[str, ...]] = {
+    "--schedules": ("random",),
+    "--seed": ("random",),
+    "--workers": ("seed", "faults", "concurrency", "random"),
+    "--modes": ("matrix",),
+    "--allow-server-restart": ("concurrency",),
+}
+
+
+def _check_run_options(
+    chosen: list[str],
+    *,
+    schedules: int | None,
+    seed: int | None,
+    workers: int | None,
+    only: str | None,
+    modes: str | None,
+    allow_server_restart: bool,
+) -> None:
+    """Refuse, in one line and before anything runs, an option none of the chosen suites uses
+    (it was ignored, and the run was not the one asked for) and an ``--only`` that names
+    nothing (it was a traceback)."""
+    given = {
+        "--schedules": schedules is not None,
+        "--seed": seed is not None,
+        "--workers": workers is not None,
+        "--modes": modes is not None,
+        "--allow-server-restart": allow_server_restart,
+    }
+    for option, suites in _OPTION_SUITES.items():
+        if given[option] and not set(suites) & set(chosen):
+            names = suites[0] if len(suites) == 1 else f"{', '.join(suites[:-1])} and {suites[-1]}"
+            plural = "suite" if len(suites) == 1 else "suites"
+            _refuse(f"{option} is for the {names} {plural} (or --suite all), not {chosen[0]}")
+    from fault_injection.matrix import matrix_cells
+
+    try:
+        cells = matrix_cells(tuple(m.strip() for m in (modes or DEFAULT_MODES).split(",")))
+    except ValueError as exc:
+        _refuse(f"--modes: {exc}")
+    if not cells:
+        _refuse("--modes: name at least one of inprocess, kill")
+    if only is None:
+        return
+    if "matrix" in chosen and "random" in chosen:
+        _refuse("--only picks one matrix cell or one random index: give --suite matrix or random")
+    if "random" in chosen:
+        if not only.isdigit():
+            _refuse(f"--only: a random schedule's index is a number from 0, not {only!r}")
+    elif "matrix" in chosen:
+        if not any(fnmatchcase(cell.name, only) for cell in cells):
+            example = cells[0].name if cells else "effect.after_apply@charge/kill"
+            _refuse(f"--only: no matrix cell matches {only!r} (names look like {example!r})")
+    else:
+        _refuse(f"--only is for the matrix and random suites, not {chosen[0]}")
 
 
 async def _run_one(
