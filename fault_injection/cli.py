@@ -450,22 +450,50 @@ def check(
     raise typer.Exit(0 if report.ok else 1)
 
 
+def _check_fleet_options(
+    db: str, workers: int, kill_one_after: float | None, restart_after: float | None, faults: str
+) -> None:
+    """Refuse in one line what would leave ``fleet`` waiting for sagas no worker can settle
+    (its only worker killed; every worker dead at start of a bad fault list) or fail mid-run
+    with a traceback (a restart of a server this host cannot restart)."""
+    from fault_injection.faulty_shop import parse_faults
+
+    if kill_one_after is not None and workers < 2:
+        _refuse("--kill-one-after needs --workers 2 or more: the others recover what it held")
+    try:
+        parse_faults(faults)
+    except ValueError as exc:
+        _refuse(f"--faults: {exc}")
+    if restart_after is None:
+        return
+    if dialect_of(normalize_url(db)) != "postgresql":
+        _refuse("--restart-after restarts the local PostgreSQL server: give a PostgreSQL --db")
+    from fault_injection.scenarios_concurrency import local_cluster
+
+    if run_job(local_cluster(normalize_url(db))) is None:
+        _refuse(
+            "--restart-after: this process cannot restart the server --db names (it must be "
+            "local, with pg_ctlcluster, and this process root)"
+        )
+
+
 @app.command("fleet")
 def fleet(
     db: Annotated[str, typer.Option(help="A PostgreSQL server URL (fresh databases are made).")],
     sagas: Annotated[int, typer.Option(min=1, help="In-doubt sagas to recover.")] = 1000,
     workers: Annotated[int, typer.Option(min=1, max=64, help="Worker processes.")] = 4,
     kill_one_after: Annotated[
-        float | None, typer.Option(help="SIGKILL a worker after S s.")
+        float | None, typer.Option(min=0, help="SIGKILL a worker after S s.")
     ] = None,
     restart_after: Annotated[
-        float | None, typer.Option(help="Restart the local PostgreSQL after S s.")
+        float | None, typer.Option(min=0, help="Restart the local PostgreSQL after S s.")
     ] = None,
     faults: Annotated[str, typer.Option(help="kind:provider.action:skip:times,…")] = "",
 ) -> None:
     """Recovery time of N in-doubt sagas with W real worker processes; invariants checked."""
     checked_db(db)
     checked_scratch(db)
+    _check_fleet_options(db, workers, kill_one_after, restart_after, faults)
     from fault_injection.fleet import run_fleet
     from fault_injection.harness import Harness, fresh_databases, scratch_folder
     from fault_injection.invariants import check_invariants
@@ -495,9 +523,18 @@ def fleet(
             "statuses": report.statuses,
             "killed": report.killed,
             "restarted": report.restarted,
+            "settled": report.settled,
+            "workers_gone": report.workers_gone,
+            "exit_codes": report.exit_codes,
             "invariant_violations": len(checked.violations),
         }
 
     result = run_job(job())
     _console().print(json.dumps(result, indent=2))
-    raise typer.Exit(0 if result["invariant_violations"] == 0 else 1)
+    if result["workers_gone"]:
+        _console().print(
+            "[red]every worker process exited before the sagas settled[/] (exit codes "
+            f"{result['exit_codes']}): run one alone to see why, `agent-txn worker --db …`"
+        )
+    ok = result["invariant_violations"] == 0 and result["settled"]
+    raise typer.Exit(0 if ok else 1)

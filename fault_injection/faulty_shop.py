@@ -14,11 +14,23 @@ from providers.fake.shop import FakeShop
 
 
 def parse_faults(spec: str) -> list[FaultRule]:
-    """Rules from the ``kind:provider.action:skip:times`` list."""
+    """Rules from the ``kind:provider.action:skip:times`` list. Raises :class:`ValueError`
+    naming the item that is not one (the CLI checks the list before it starts any worker, which
+    would otherwise die of it at start, unseen)."""
     rules = []
     for item in filter(None, (part.strip() for part in spec.split(","))):
-        kind, target, skip, times = item.split(":")
-        provider, _, action = target.partition(".")
+        fields = item.split(":")
+        if len(fields) != 4:
+            raise ValueError(f"{item!r} is not kind:provider.action:skip:times")
+        kind, target, skip, times = fields
+        provider, dot, action = target.partition(".")
+        if not (provider and dot and action):
+            raise ValueError(f"{item!r}: {target!r} is not provider.action (payments.charge)")
+        if kind not in {k.value for k in FaultKind}:
+            kinds = ", ".join(k.value for k in FaultKind)
+            raise ValueError(f"{item!r}: unknown fault kind {kind!r} (one of {kinds})")
+        if not (skip.isdigit() and times.isdigit()):
+            raise ValueError(f"{item!r}: skip and times are whole numbers from 0")
         rules.append(
             FaultRule(
                 FaultKind(kind),

@@ -45,6 +45,11 @@ class FleetReport:
     #: Workers our SIGTERM reached before they were running (still importing or opening the
     #: store: the signal's default action ended them) and that left no trace in the ledger.
     stopped_while_starting: list[int] = field(default_factory=list)
+    #: Every transaction terminal and every receipt sent when the run stopped.
+    settled: bool = False
+    #: The run stopped because no worker was left running (each died at start, say, of a bad
+    #: ``--app`` or fault list), not at the deadline an hour on.
+    workers_gone: bool = False
 
     @property
     def sagas_per_s(self) -> float:
@@ -132,6 +137,10 @@ async def run_fleet(
                 continue
             settled = sum(n for s, n in report.statuses.items() if s in SETTLED)
             if settled >= sagas and unsent == 0:
+                report.settled = True
+                break
+            if all(p.returncode is not None for p in procs):
+                report.workers_gone = True
                 break
             if elapsed > deadline_seconds:
                 break

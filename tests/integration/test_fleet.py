@@ -66,3 +66,23 @@ async def test_a_worker_stopped_before_it_ran_is_told_apart(db_urls: DbUrls) -> 
     # Each one either got as far as running (and stopped cleanly) or left no trace.
     assert report.stopped_while_starting == stopped
     assert all(report.exit_codes[i] == -15 for i in stopped)
+
+
+async def test_a_fleet_whose_workers_all_die_at_start_stops_instead_of_waiting(
+    db_urls: DbUrls,
+) -> None:
+    # Each worker dies at start of the fault list (the CLI refuses it up front; run_fleet itself
+    # does not). The fleet used to wait for sagas nobody could settle until its deadline, an
+    # hour from the CLI; the deadline here is past the test's own timeout, so waiting fails it.
+    harness = await Harness.open(DatabasePair(db_urls.store, db_urls.provider, db_urls.backend))
+    try:
+        report = await run_fleet(
+            harness, sagas=3, workers=2, faults="not-a-fault", deadline_seconds=3600
+        )
+    finally:
+        await harness.close()
+    assert report.workers_gone and not report.settled
+    assert report.statuses.get("executing", 0) + report.statuses.get("pending", 0) >= 1, (
+        report.statuses
+    )
+    assert all(code not in (None, 0, -15) for code in report.exit_codes), report.exit_codes

@@ -1,8 +1,10 @@
-"""``agent-txn fault-inject run``: an option the chosen suites do not use, or an ``--only`` that
-names nothing, is one ``error:`` line and exit status 2 before anything runs.
+"""``agent-txn fault-inject run`` and ``fleet``: options that cannot do what they say are one
+``error:`` line and exit status 2 before anything runs.
 
-Before, the first was ignored (``--suite seed --seed 3`` ran the seed suite as if no seed had
-been given, ``--suite faults --only x`` the whole suite) and the second was a traceback.
+Before, ``run`` ignored an option the chosen suites do not use (``--suite seed --seed 3`` ran
+the seed suite as if no seed had been given, ``--suite faults --only x`` the whole suite), an
+``--only`` that names nothing was a traceback, and ``fleet`` with a bad fault list or its only
+worker killed waited an hour for sagas nobody could settle.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 from fault_injection import cli
+from fault_injection.faulty_shop import parse_faults
 
 
 @pytest.fixture
@@ -81,3 +84,54 @@ def test_options_a_chosen_suite_uses_are_accepted(
     got = CliRunner().invoke(cli.app, ["run", *args])
     assert got.exit_code == 0, got.output
     assert nothing_runs == suites
+
+
+PG = "postgresql+asyncpg://postgres@127.0.0.1:5432/postgres"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        # The workers would each die of it at start, unseen, and the fleet wait an hour.
+        (["--db", PG, "--faults", "bogus"], "--faults: 'bogus' is not kind:provider.action"),
+        (
+            ["--db", PG, "--faults", "lose_response:payments.charge:0:5,gremlins:email.send:0:1"],
+            "--faults: 'gremlins:email.send:0:1': unknown fault kind 'gremlins'",
+        ),
+        (["--db", PG, "--faults", "reject:payments:0:1"], "--faults: 'reject:payments:0:1': "),
+        (["--db", PG, "--faults", "reject:email.send:-1:1"], "--faults: 'reject:email.send:-1"),
+        # Its only worker killed, nobody would recover what it held.
+        (["--db", PG, "--workers", "1", "--kill-one-after", "2"], "--kill-one-after needs"),
+        # A restart this process cannot make failed mid-run with a traceback.
+        (
+            ["--db", "sqlite+aiosqlite:///fleet.db", "--restart-after", "2"],
+            "--restart-after restarts the local PostgreSQL server",
+        ),
+        (
+            ["--db", "postgresql+asyncpg://postgres@db.example:5432/x", "--restart-after", "2"],
+            "--restart-after: this process cannot restart the server",
+        ),
+    ],
+)
+def test_fleet_refuses_what_would_leave_it_waiting_or_failing_midway(
+    args: list[str], message: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    started: list[object] = []
+
+    async def run_fleet(*args: object, **kwargs: object) -> None:
+        started.append(kwargs)
+
+    monkeypatch.setattr("fault_injection.fleet.run_fleet", run_fleet)
+    got = CliRunner().invoke(cli.app, ["fleet", "--sagas", "1", *args])
+    assert got.exit_code == 2, got.output
+    assert got.output.startswith(f"error: {message}"), got.output
+    assert started == []
+
+
+def test_a_fault_list_parses_into_its_rules() -> None:
+    rules = parse_faults(" lose_response:payments.charge:5:25, timeout:inventory.reserve:0:1 ,")
+    assert [(r.kind.value, r.provider, r.action, r.skip, r.times) for r in rules] == [
+        ("lose_response", "payments", "charge", 5, 25),
+        ("timeout", "inventory", "reserve", 0, 1),
+    ]
+    assert parse_faults("") == []
