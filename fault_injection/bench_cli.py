@@ -325,7 +325,7 @@ def bench(
         out.print(f"[yellow]{escape(note)}[/]")
     ours_sweep = None
     if ours_in_flight == "auto":
-        ours_sweep = _sweep_ours(config, db, sweep_settings, out)
+        ours_sweep = _sweep_ours(config, db, sweep_settings, out, match_time=match_time)
         config = dataclasses.replace(config, concurrency=ours_sweep.fastest)
     if compare is None:
         result = run_job(run_bench(config, db=db))
@@ -555,15 +555,25 @@ def _pilot_json(pilot: ComparePair) -> dict[str, Any]:
 
 
 def _sweep_ours(
-    config: BenchConfig, db: str | None, settings: tuple[int, ...], out: Console
+    config: BenchConfig,
+    db: str | None,
+    settings: tuple[int, ...],
+    out: Console,
+    *,
+    match_time: bool = False,
 ) -> Sweep:
     """``--concurrency auto``: ours alone at each of ``settings``, printed as it goes; the
     measured run (or the pairs) then runs at the fastest. Each run is a whole bench run on
     fresh databases, its checker included, with the shortest driver loop: only its sagas/s
-    ranks the settings."""
+    ranks the settings. Each runs as many sagas as the measured runs will (with
+    ``match_time``, up to :data:`~fault_injection.bench_dbos.MATCH_CAP` times ``--sagas``), at
+    most :data:`~fault_injection.sweep.OURS_SWEEP_SAGAS`: shorter runs misread the higher
+    settings."""
+    from fault_injection.bench_dbos import MATCH_CAP
     from fault_injection.cli import run_job
 
-    sagas = min(config.sagas, OURS_SWEEP_SAGAS)
+    measured = config.sagas * (MATCH_CAP if match_time else 1)
+    sagas = min(measured, OURS_SWEEP_SAGAS)
     out.print(
         f"ours alone first, to find its fastest setting ({sagas:,} sagas a run, "
         f"{SWEEP_ROUNDS} rounds):"

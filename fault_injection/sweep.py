@@ -19,9 +19,13 @@ from typing import Any, TypeVar
 #: from 16 to 64 on every machine measured (``docs/benchmarks.md``); 64 is there to show where
 #: more in flight stops paying on a machine of its own.
 OURS_SWEEP_CONCURRENCY: tuple[int, ...] = (1, 4, 8, 16, 32, 64)
-#: Sagas each run of our sweep measures, at most (after its warm-up): about a second at our
-#: rates in flight, several at 1, so the sweep takes about a minute.
-OURS_SWEEP_SAGAS = 1000
+#: Sagas each run of our sweep measures, at most (after its warm-up): as many as the measured
+#: runs will, up to this (``fault_injection.bench_cli._sweep_ours``). Shorter runs than the
+#: measured ones misread the higher settings: on PostgreSQL at 32 in flight, runs of 1 000
+#: sagas read 986-1 032 sagas/s where runs of 3 000 read 1 405-1 420, and 16 about 1 230
+#: either way, so a sweep of 1 000-saga runs chose 16 for pairs of about 9 500 sagas a half
+#: (``docs/benchmarks-log.md``, item 69). Two to three seconds a run at our rates in flight.
+OURS_SWEEP_SAGAS = 3000
 #: Rounds of a sweep. Each round tries every setting once, so a drift of the machine's speed
 #: during the sweep reaches every setting alike instead of the last ones tried.
 SWEEP_ROUNDS = 2

@@ -588,6 +588,7 @@ def test_bench_cli_compare_with_our_auto_finds_both_engines_fastest(
     got, data = _compare_dbos(tmp_path, "--pairs", "1", "--concurrency", "auto")
     ours, theirs = data["concurrency_sweep"], data["dbos_concurrency_sweep"]
     assert [run["concurrency"] for run in ours["runs"]] == [1, 2]
+    assert ours["sagas"] == 5  # as long as the measured half (no --match-time)
     assert [run["concurrency"] for run in theirs["runs"]] == list(SWEEP_CONCURRENCY)
     assert len(dbos_calls) == len(SWEEP_CONCURRENCY) * SWEEP_ROUNDS + 1  # the sweep, the pair
     assert data["pairs"][0]["concurrency"] == ours["fastest"]
@@ -597,6 +598,22 @@ def test_bench_cli_compare_with_our_auto_finds_both_engines_fastest(
         label += f" vs DBOS C={theirs['fastest']}"
     assert f"pair 1/1 · sqlite · {label}:" in got.output
     assert data["check_ok"] is True
+
+
+def test_bench_cli_sweeps_ours_with_runs_as_long_as_the_matched_halves_up_to_a_cap(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``--match-time`` our halves run up to 20 times ``--sagas``, so the sweep's runs are
+    that long too, up to ``OURS_SWEEP_SAGAS``: shorter runs misread the higher settings."""
+    monkeypatch.setattr(bench_cli, "OURS_SWEEP_CONCURRENCY", (1, 2))
+    monkeypatch.setattr(bench_cli, "OURS_SWEEP_SAGAS", 60)  # under 20 x 5
+    _dbos_failing_on(monkeypatch, failing_call=0)
+    got, data = _compare_dbos(tmp_path, "--pairs", "1", "--concurrency", "auto", "--match-time")
+    assert data["concurrency_sweep"]["sagas"] == 60
+    assert "ours alone first, to find its fastest setting (60 sagas a run" in got.output
+    monkeypatch.setattr(bench_cli, "OURS_SWEEP_SAGAS", 1000)  # over it: 20 x 5
+    _, data = _compare_dbos(tmp_path, "--pairs", "1", "--concurrency", "auto", "--match-time")
+    assert data["concurrency_sweep"]["sagas"] == 100
 
 
 def _dbos_failing_on(monkeypatch: pytest.MonkeyPatch, failing_call: int) -> list[tuple[int, int]]:
