@@ -50,6 +50,7 @@ from fault_injection.bench import (
     run_bench,
 )
 from fault_injection.bench_environment import describe, memory_files_note, one_line
+from fault_injection.cli import FreshDatabasesOption
 from fault_injection.harness import scratch_folder
 from fault_injection.steal import read_cpu_times, stolen_share
 from fault_injection.sweep import (
@@ -150,13 +151,7 @@ def _usage(out: Console, message: str) -> typer.Exit:
 
 @app.callback()
 def bench(
-    db: Annotated[
-        str | None,
-        typer.Option(
-            help="A PostgreSQL server URL (fresh databases are made there), or a SQLite URL "
-            "(fresh files in its file's folder; default: a temporary folder)."
-        ),
-    ] = None,
+    db: FreshDatabasesOption = None,
     sagas: Annotated[int, typer.Option(min=1, help="Measured sagas.")] = 1000,
     concurrency: Annotated[
         str,

@@ -42,6 +42,16 @@ app = typer.Typer(
 SUITES = ("seed", "faults", "concurrency", "matrix", "random", "all")
 
 
+#: ``--db`` of the commands that make fresh databases for each run (:func:`checked_scratch`).
+FreshDatabasesOption = Annotated[
+    str | None,
+    typer.Option(
+        help="A PostgreSQL server URL (fresh databases are made there), or a SQLite URL "
+        "(fresh files in its file's folder; default: a temporary folder)."
+    ),
+]
+
+
 def checked_db(url: str | None, option: str = "--db", *, must_exist: bool = False) -> None:
     """Refuse an unsupported or malformed URL with one line and exit code 2; with
     ``must_exist``, a SQLite file that is not there too (connecting would create an empty one
@@ -164,13 +174,7 @@ def run(
         int | None,
         typer.Option(min=1, max=64, help="Concurrent recovering workers [default: 4]."),
     ] = None,
-    db: Annotated[
-        str | None,
-        typer.Option(
-            help="A PostgreSQL server URL (fresh databases are made there), or a SQLite URL "
-            "(fresh files in its file's folder; default: a temporary folder)."
-        ),
-    ] = None,
+    db: FreshDatabasesOption = None,
     report: Annotated[Path | None, typer.Option(help="Write PATH.json and PATH.md.")] = None,
     only: Annotated[str | None, typer.Option(help="One matrix cell or random index.")] = None,
     modes: Annotated[
@@ -396,13 +400,7 @@ def replay(
             "'shrunk' object saved as one.",
         ),
     ],
-    db: Annotated[
-        str | None,
-        typer.Option(
-            help="A PostgreSQL server URL (fresh databases are made there), or a SQLite URL "
-            "(fresh files in its file's folder; default: a temporary folder)."
-        ),
-    ] = None,
+    db: FreshDatabasesOption = None,
     report: Annotated[Path | None, typer.Option(help="Write PATH.json and PATH.md.")] = None,
 ) -> None:
     """Run one saved schedule alone on fresh databases; print PASS/FAIL and the summary."""
