@@ -292,7 +292,9 @@ def _check_run_options(
     from fault_injection.matrix import matrix_cells
 
     try:
-        cells = matrix_cells(tuple(m.strip() for m in (modes or DEFAULT_MODES).split(",")))
+        # Split as _run_one splits it: "kill," is the kill mode alone.
+        chosen_modes = tuple(m.strip() for m in (modes or DEFAULT_MODES).split(",") if m.strip())
+        cells = matrix_cells(chosen_modes)
     except ValueError as exc:
         _refuse(f"--modes: {exc}")
     if not cells:
