@@ -204,6 +204,8 @@ def run(
         modes=modes,
         allow_server_restart=allow_server_restart,
     )
+    if allow_server_restart:
+        _check_restartable(db, "--allow-server-restart")
     run_seed = seed if seed is not None else random.SystemRandom().randrange(1, 2**31)
     summary = RunSummary(seed=run_seed if "random" in chosen else None)
     if "random" in chosen:
@@ -464,15 +466,21 @@ def _check_fleet_options(
         parse_faults(faults)
     except ValueError as exc:
         _refuse(f"--faults: {exc}")
-    if restart_after is None:
-        return
-    if dialect_of(normalize_url(db)) != "postgresql":
-        _refuse("--restart-after restarts the local PostgreSQL server: give a PostgreSQL --db")
+    if restart_after is not None:
+        _check_restartable(db, "--restart-after")
+
+
+def _check_restartable(db: str | None, option: str) -> None:
+    """Refuse ``option``, which restarts the PostgreSQL server ``db`` names, where this process
+    cannot: on SQLite (nothing to restart: it was ignored) or a server that is not local, with
+    ``pg_ctlcluster``, to a root process (it failed halfway with a traceback)."""
+    if db is None or dialect_of(normalize_url(db)) != "postgresql":
+        _refuse(f"{option} restarts the local PostgreSQL server: give a PostgreSQL --db")
     from fault_injection.scenarios_concurrency import local_cluster
 
     if run_job(local_cluster(normalize_url(db))) is None:
         _refuse(
-            "--restart-after: this process cannot restart the server --db names (it must be "
+            f"{option}: this process cannot restart the server --db names (it must be "
             "local, with pg_ctlcluster, and this process root)"
         )
 

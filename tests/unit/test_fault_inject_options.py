@@ -43,6 +43,21 @@ def nothing_runs(monkeypatch: pytest.MonkeyPatch) -> list[str]:
             ["--suite", "seed", "--allow-server-restart"],
             "--allow-server-restart is for the concurrency suite",
         ),
+        # SQLite has no server to restart: it was ignored.
+        (
+            ["--suite", "concurrency", "--allow-server-restart"],
+            "--allow-server-restart restarts the local PostgreSQL server: give a PostgreSQL --db",
+        ),
+        (
+            [
+                "--suite",
+                "concurrency",
+                "--allow-server-restart",
+                "--db",
+                "postgresql://db.example/x",
+            ],
+            "--allow-server-restart: this process cannot restart the server --db names",
+        ),
         (["--suite", "faults", "--only", "x"], "--only is for the matrix and random suites"),
         (["--suite", "all", "--only", "3"], "--only picks one matrix cell or one random index"),
         (["--suite", "random", "--only", "abc"], "--only: a random schedule's index is a number"),
@@ -72,7 +87,7 @@ def test_an_option_no_chosen_suite_uses_is_refused_before_anything_runs(
             ["matrix"],
         ),
         (["--suite", "matrix", "--modes", "kill,"], ["matrix"]),
-        (["--suite", "concurrency", "--allow-server-restart", "--workers", "2"], ["concurrency"]),
+        (["--suite", "concurrency", "--workers", "2"], ["concurrency"]),
         (
             ["--suite", "all", "--seed", "3", "--modes", "inprocess", "--workers", "2"],
             ["seed", "faults", "concurrency", "matrix", "random"],
@@ -136,3 +151,17 @@ def test_a_fault_list_parses_into_its_rules() -> None:
         ("timeout", "inventory", "reserve", 0, 1),
     ]
     assert parse_faults("") == []
+
+
+def test_a_server_this_process_can_restart_is_accepted(
+    nothing_runs: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def restartable(url: str) -> object:
+        return object()  # what local_cluster finds for a local server it may restart
+
+    monkeypatch.setattr("fault_injection.scenarios_concurrency.local_cluster", restartable)
+    got = CliRunner().invoke(
+        cli.app, ["run", "--suite", "concurrency", "--allow-server-restart", "--db", PG]
+    )
+    assert got.exit_code == 0, got.output
+    assert nothing_runs == ["concurrency"]
