@@ -194,7 +194,7 @@ def bench(
         str | None, typer.Option(help="dbos: run DBOS's version alternately with ours.")
     ] = None,
     pairs: Annotated[
-        int | None, typer.Option(min=1, max=20, help="Pairs with --compare [default: 3].")
+        int | None, typer.Option(min=1, max=20, help="Pairs with --compare.", show_default="3")
     ] = None,
     dbos_concurrency: Annotated[
         str | None,
@@ -208,8 +208,8 @@ def bench(
     dbos_sqlite: Annotated[
         str | None,
         typer.Option(
-            help="With --compare, DBOS on SQLite: fast (WAL + NORMAL) | default (as DBOS sets "
-            "it) [default: fast]."
+            help="With --compare, DBOS on SQLite: fast (WAL + NORMAL) | default (as DBOS sets it).",
+            show_default="fast",
         ),
     ] = None,
     match_time: Annotated[

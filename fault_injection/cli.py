@@ -161,24 +161,34 @@ def _console() -> Console:
     return Console(highlight=False, soft_wrap=True)
 
 
+#: ``run``'s defaults. Its options default to ``None`` so that one given for a suite that does
+#: not use it can be told from one left alone (:func:`_check_run_options`).
+DEFAULT_SCHEDULES = 200
+DEFAULT_WORKERS = 4
+DEFAULT_MODES = "inprocess,kill"
+
+
 @app.command("run")
 def run(
     suite: Annotated[
         str, typer.Option(help="seed | faults | concurrency | matrix | random | all")
     ] = "seed",
     schedules: Annotated[
-        int | None, typer.Option(min=1, help="Random schedules to run [default: 200].")
+        int | None,
+        typer.Option(min=1, help="Random schedules to run.", show_default=str(DEFAULT_SCHEDULES)),
     ] = None,
     seed: Annotated[int | None, typer.Option(help="Seed of the random suite (printed).")] = None,
     workers: Annotated[
         int | None,
-        typer.Option(min=1, max=64, help="Concurrent recovering workers [default: 4]."),
+        typer.Option(
+            min=1, max=64, help="Concurrent recovering workers.", show_default=str(DEFAULT_WORKERS)
+        ),
     ] = None,
     db: FreshDatabasesOption = None,
     report: Annotated[Path | None, typer.Option(help="Write PATH.json and PATH.md.")] = None,
     only: Annotated[str | None, typer.Option(help="One matrix cell or random index.")] = None,
     modes: Annotated[
-        str | None, typer.Option(help="Matrix crash modes [default: inprocess,kill].")
+        str | None, typer.Option(help="Matrix crash modes.", show_default=DEFAULT_MODES)
     ] = None,
     allow_server_restart: Annotated[
         bool, typer.Option(help="Concurrency suite on PostgreSQL: restart the server once.")
@@ -251,10 +261,6 @@ def run(
         out.print("report: " + ", ".join(str(p) for p in paths))
     raise typer.Exit(0 if summary.ok else 1)
 
-
-DEFAULT_SCHEDULES = 200
-DEFAULT_WORKERS = 4
-DEFAULT_MODES = "inprocess,kill"
 
 #: The suites each of ``run``'s options applies to.
 _OPTION_SUITES: dict[str, tuple[str, ...]] = {
