@@ -7,7 +7,9 @@ them verbatim. Provider rows are matched to ours by idempotency key only — the
 nothing else about us.
 
 Both connections are read-only (SQLite ``query_only`` / PostgreSQL
-``default_transaction_read_only``) and disposed before :func:`load` returns.
+``default_transaction_read_only``). :func:`load` opens them and disposes them before it
+returns; an :class:`EvidenceReader` keeps them open for many snapshots of the same pair, as a
+run that checks after every schedule does (``fault_injection.harness.Harness.check``).
 
 Also here, because they are judgements of evidence rather than invariants: what counts as
 provider, exception or SQL text in a stored error (invariant 9), and what the shop's business
@@ -267,7 +269,9 @@ async def _triggers(conn: AsyncConnection, dialect: str) -> tuple[set[str], set[
 
 
 def _provider_engine(url: str) -> AsyncEngine:
-    """A read-only engine on the provider's database (never through its apply / lookup)."""
+    """A read-only engine on the provider's database (never through its apply / lookup).
+    ``pool_pre_ping``: a reader kept across a PostgreSQL server restart (a scenario of the
+    suite) replaces the pooled connection the restart killed instead of failing on it."""
     parsed = make_url(url)
     backend = parsed.get_backend_name()
     if backend == "sqlite":
@@ -287,6 +291,7 @@ def _provider_engine(url: str) -> AsyncEngine:
         return create_async_engine(
             parsed.set(drivername="postgresql+asyncpg"),
             connect_args={"server_settings": {"default_transaction_read_only": "on"}},
+            pool_pre_ping=True,
         )
     raise ValueError(f"unsupported provider database {backend!r}")
 
@@ -300,34 +305,64 @@ def _decode(row: dict[str, Any], *names: str) -> dict[str, Any]:
     return row
 
 
-async def _load_provider(snap: Snapshot, url: str, keyset: set[str] | None) -> None:
-    engine = _provider_engine(url)
-    try:
-        async with engine.connect() as conn:
-            snap.p_effects = [
-                _decode(r, "payload", "result")
-                for r in await _rows(conn, shop.effects, "key", keyset)
-            ]
-            snap.p_calls = await _rows(conn, shop.calls, "key", keyset)
-            for r in await _rows(conn, shop.reservations, "key", keyset):
-                snap.reservations[r["reservation_id"]] = r
-            for r in await _rows(conn, shop.charges, "key", keyset):
-                snap.charges[r["charge_id"]] = r
-    finally:
-        await engine.dispose()
+async def _load_provider(snap: Snapshot, engine: AsyncEngine, keyset: set[str] | None) -> None:
+    async with engine.connect() as conn:
+        snap.p_effects = [
+            _decode(r, "payload", "result") for r in await _rows(conn, shop.effects, "key", keyset)
+        ]
+        snap.p_calls = await _rows(conn, shop.calls, "key", keyset)
+        for r in await _rows(conn, shop.reservations, "key", keyset):
+            snap.reservations[r["reservation_id"]] = r
+        for r in await _rows(conn, shop.charges, "key", keyset):
+            snap.charges[r["charge_id"]] = r
+
+
+class EvidenceReader:
+    """Both databases of one pair, open for as many snapshots as a run takes.
+
+    Why: a snapshot on fresh connections opened a store (its engine, the schema check) and a
+    provider engine, and compiled each of its dozen statements anew for each new engine.
+    A random run checks after every schedule: on SQLite that was about a sixth of the run's
+    CPU (``docs/fault-injection.md``, "Measured soak"). Each snapshot still reads in a
+    transaction of its own, so it sees everything committed before it, as a fresh connection
+    would.
+    """
+
+    def __init__(self, store: Store, provider: AsyncEngine) -> None:
+        self._store = store
+        self._provider = provider
+
+    @classmethod
+    async def open(cls, store_url: str, provider_url: str) -> EvidenceReader:
+        """Open our store (never upgraded: the checker judges the schema it finds) and a
+        read-only engine on the provider's database."""
+        store = await Store.open(store_url, auto_upgrade="never")
+        return cls(store, _provider_engine(provider_url))
+
+    async def load(self, tx_ids: Collection[str] | None) -> Snapshot:
+        """Read both databases; with ``tx_ids``, only those transactions and their keys."""
+        snap = Snapshot(whole_provider=tx_ids is None)
+        await _load_ours(snap, self._store, None if tx_ids is None else set(tx_ids))
+        snap.index()
+        await _load_provider(snap, self._provider, None if tx_ids is None else snap.our_keys())
+        return snap
+
+    async def close(self) -> None:
+        """Close both; the reader is not used after."""
+        try:
+            await self._store.close()
+        finally:
+            await self._provider.dispose()
 
 
 async def load(store_url: str, provider_url: str, tx_ids: Collection[str] | None) -> Snapshot:
-    """Read both databases; with ``tx_ids``, only those transactions and their keys."""
-    snap = Snapshot(whole_provider=tx_ids is None)
-    store = await Store.open(store_url, auto_upgrade="never")
+    """Read both databases once, on connections opened for it and closed after; with
+    ``tx_ids``, only those transactions and their keys."""
+    reader = await EvidenceReader.open(store_url, provider_url)
     try:
-        await _load_ours(snap, store, None if tx_ids is None else set(tx_ids))
+        return await reader.load(tx_ids)
     finally:
-        await store.close()
-    snap.index()
-    await _load_provider(snap, provider_url, None if tx_ids is None else snap.our_keys())
-    return snap
+        await reader.close()
 
 
 def group(rows: Iterable[dict[str, Any]], column: str) -> dict[str, list[dict[str, Any]]]:

@@ -28,7 +28,8 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.pool import NullPool
 
-from fault_injection.invariants import CheckReport, check_invariants
+from fault_injection._evidence import EvidenceReader
+from fault_injection.invariants import CheckReport, check_snapshot
 from fault_injection.sagas import STOCK
 from ledger.dialects import dialect_of, normalize_url
 from orchestrator.config import EngineSettings
@@ -128,6 +129,8 @@ class Harness:
     dbs: DatabasePair
     shop: FakeShop
     engines: list[Orchestrator] = field(default_factory=list)
+    #: The checker's connections, opened at the first check and kept until :meth:`close`.
+    _evidence: EvidenceReader | None = field(default=None, repr=False)
 
     @classmethod
     async def open(cls, dbs: DatabasePair, *, faults: FaultPlan | None = None) -> Harness:
@@ -163,16 +166,21 @@ class Harness:
     async def check(
         self, tx_ids: Collection[str] | None = None, *, require_settled: bool = True
     ) -> CheckReport:
-        """Every invariant, read from both databases."""
-        return await check_invariants(
-            self.dbs.store, self.dbs.provider, tx_ids=tx_ids, require_settled=require_settled
-        )
+        """Every invariant, read from both databases (through connections of the checker's
+        own, never an engine's: ``fault_injection.invariants.check_invariants``)."""
+        if self._evidence is None:
+            self._evidence = await EvidenceReader.open(self.dbs.store, self.dbs.provider)
+        snap = await self._evidence.load(tx_ids)
+        return check_snapshot(snap, require_settled=require_settled)
 
     async def close(self) -> None:
-        """Close every engine and the shop."""
+        """Close every engine, the checker's connections and the shop."""
         for orch in self.engines:
             await orch.close()
         self.engines.clear()
+        if self._evidence is not None:
+            evidence, self._evidence = self._evidence, None
+            await evidence.close()
         await self.shop.close()
 
 

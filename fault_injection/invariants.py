@@ -705,9 +705,16 @@ async def check_invariants(
     (matched by idempotency key); without it every row of both databases is judged, and a
     provider notification under a key we do not know is a violation too. ``require_settled``
     adds invariant 2 (nothing in flight): pass ``False`` to check a run that is still going.
-    Opens its own read-only connections and disposes them.
+    Opens its own read-only connections and disposes them; :func:`check_snapshot` judges a
+    snapshot an :class:`~fault_injection._evidence.EvidenceReader` kept open took instead.
     """
     snap = await load(store_url, provider_url, tx_ids)
+    return check_snapshot(snap, require_settled=require_settled)
+
+
+def check_snapshot(snap: Snapshot, *, require_settled: bool = True) -> CheckReport:
+    """Every invariant of DESIGN.md, judged on one snapshot of both databases (see
+    :func:`check_invariants`)."""
     out = _Out(snap)
     for number, check in CHECKS:
         if number == 2 and not require_settled:
@@ -721,4 +728,4 @@ async def check_invariants(
     )
 
 
-__all__ = ["CheckReport", "Violation", "check_invariants"]
+__all__ = ["CheckReport", "Violation", "check_invariants", "check_snapshot"]

@@ -19,8 +19,10 @@ import pytest
 from sqlalchemy import insert, select, text, update
 from sqlalchemy.ext.asyncio import AsyncConnection, create_async_engine
 
+from fault_injection._evidence import EvidenceReader
+from fault_injection.harness import DatabasePair, Harness
 from fault_injection.holding import HoldingProvider
-from fault_injection.invariants import CheckReport, check_invariants
+from fault_injection.invariants import CheckReport, check_invariants, check_snapshot
 from ledger import events
 from ledger.effects import Claim
 from ledger.schema import ledger as ledger_table
@@ -36,6 +38,7 @@ from providers.fake.actions import ActionSpec
 from providers.fake.faults import FaultKind, FaultRule
 from providers.fake.shop import FakeShop
 from providers.fake.store import Store as ShopStore
+from tests.conftest import DbUrls
 from tests.support.sagas import order, order_saga
 from tests.support.world import World, fast_settings
 
@@ -153,6 +156,71 @@ async def test_clean_run_has_no_violations(world: World) -> None:
     only = await _check(world, tx_ids=[lost.tx_id])
     assert only.ok and only.transactions == 1
     assert only.effects == 3  # reserve, charge (response lost, found by lookup), receipt
+
+
+# -- a reader kept open: what a run that checks after every schedule uses ----------------------
+
+
+async def test_a_reader_kept_open_sees_what_happened_after_it_opened(world: World) -> None:
+    happy = await world.orch.execute(order_saga(), order("1"))
+    await world.orch.drain(timeout_seconds=10)
+    reader = await EvidenceReader.open(world.urls.store, world.urls.provider)
+    try:
+        first = check_snapshot(await reader.load(None))
+        assert first.ok and first.transactions == 1, _explain(first)
+
+        # After it opened: a crash right after the charge, then a recovery through a shop that
+        # forgot the key, which charges a second time. A reader that still read the state it
+        # first saw would call this clean.
+        dying = await world.engine()
+        dying.crashpoints.arm("effect.after_apply", when=_step("charge"))
+        with pytest.raises(SimulatedCrash):
+            await dying.execute(order_saga(), order("42"))
+        await dying.abandon()
+        (tx_id,) = set((await reader.load(None)).txs) - {happy.tx_id}
+        await _recover_with_forgetful_provider(world, "charge")
+        later = check_snapshot(await reader.load(None))
+        scoped = check_snapshot(await reader.load([tx_id]))
+    finally:
+        await reader.close()
+
+    assert later.transactions == 2 and {"double_effect", "double_charge"} <= _found(later, 1)
+    assert scoped.transactions == 1 and "double_effect" in _found(scoped, 1)
+    assert all(v.tx_id != happy.tx_id for v in later.violations)
+
+
+async def test_the_harness_checks_through_one_reader_and_closes_it(
+    db_urls: DbUrls, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    opened: list[EvidenceReader] = []
+    closed: list[EvidenceReader] = []
+    real_open, real_close = EvidenceReader.open, EvidenceReader.close
+
+    async def counting_open(store_url: str, provider_url: str) -> EvidenceReader:
+        reader = await real_open(store_url, provider_url)
+        opened.append(reader)
+        return reader
+
+    async def counting_close(self: EvidenceReader) -> None:
+        closed.append(self)
+        await real_close(self)
+
+    monkeypatch.setattr(EvidenceReader, "open", staticmethod(counting_open))
+    monkeypatch.setattr(EvidenceReader, "close", counting_close)
+    harness = await Harness.open(DatabasePair(db_urls.store, db_urls.provider, db_urls.backend))
+    try:
+        orch = await harness.engine()
+        reports = []
+        for n in range(3):
+            await orch.execute(order_saga(), order(str(n)))
+            await orch.drain(timeout_seconds=10)  # the receipt too
+            reports.append(await harness.check())
+    finally:
+        await harness.close()
+
+    assert [r.transactions for r in reports] == [1, 2, 3]
+    assert all(r.ok for r in reports), [_explain(r) for r in reports]
+    assert len(opened) == 1 and closed == opened
 
 
 # -- 1: at most one effect per key; one live charge per business intent -----------------------
