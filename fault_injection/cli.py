@@ -493,7 +493,13 @@ def _check_restartable(db: str | None, option: str) -> None:
 
 @app.command("fleet")
 def fleet(
-    db: Annotated[str, typer.Option(help="A PostgreSQL server URL (fresh databases are made).")],
+    db: Annotated[
+        str,
+        typer.Option(
+            help="A PostgreSQL server URL (fresh databases are made there), or a SQLite URL "
+            "(fresh files in its file's folder; the workers share them)."
+        ),
+    ],
     sagas: Annotated[int, typer.Option(min=1, help="In-doubt sagas to recover.")] = 1000,
     workers: Annotated[int, typer.Option(min=1, max=64, help="Worker processes.")] = 4,
     kill_one_after: Annotated[

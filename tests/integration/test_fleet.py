@@ -1,5 +1,6 @@
-"""Many worker processes on one PostgreSQL, provider faults, one worker SIGKILLed and the server
-restarted mid-run: every saga ends terminal or parked with evidence, nothing doubled or lost."""
+"""Many worker processes on one PostgreSQL (or one SQLite file), provider faults, one worker
+SIGKILLed and the server restarted mid-run: every saga ends terminal or parked with evidence,
+nothing doubled or lost."""
 
 from __future__ import annotations
 
@@ -26,8 +27,8 @@ FAULTS = ",".join(
 )
 
 
-# PostgreSQL only (worker fleets share one server; SQLite has a single writer). Not a skipped
-# SQLite case: a restarting test holds the test server alone, even to skip.
+# PostgreSQL only: it restarts the server (a SQLite fleet is below). Not a skipped SQLite case:
+# a restarting test holds the test server alone, even to skip.
 @pytest.mark.slow
 @pytest.mark.restarts_postgres
 @pytest.mark.parametrize("backend", ["postgres"], indirect=True)
@@ -49,6 +50,28 @@ async def test_fleet_survives_a_kill_and_a_server_restart(db_urls: DbUrls, tmp_p
     settled = {k: v for k, v in report.statuses.items()}
     assert sum(settled.values()) == SAGAS, settled
     assert set(settled) <= {"committed", "compensated", "failed", "manual_review"}, settled
+    check = await check_invariants(db_urls.store, db_urls.provider)
+    assert check.ok, [v.to_json() for v in check.violations[:5]]
+
+
+@pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
+async def test_a_fleet_on_one_sqlite_file_survives_a_kill(db_urls: DbUrls) -> None:
+    # On a laptop the fleet's workers share one SQLite file (one writer at a time); the killed
+    # worker's leases expire and the other recovers what it held. No server to restart here.
+    harness = await Harness.open(DatabasePair(db_urls.store, db_urls.provider, db_urls.backend))
+    try:
+        report = await run_fleet(
+            harness,
+            sagas=150,
+            workers=2,
+            kill_one_after=1.0,
+            faults="lose_response:payments.charge:5:10,indeterminate_5xx:inventory.reserve:20:10",
+            deadline_seconds=100,
+        )
+    finally:
+        await harness.close()
+    assert report.killed and not report.restarted and report.settled
+    assert sum(report.statuses.values()) == 150, report.statuses
     check = await check_invariants(db_urls.store, db_urls.provider)
     assert check.ok, [v.to_json() for v in check.violations[:5]]
 
