@@ -216,6 +216,10 @@ def run(
     )
     if allow_server_restart:
         _check_restartable(db, "--allow-server-restart")
+    # Options left alone take their defaults only now: the check above had to tell them apart.
+    schedules = schedules or DEFAULT_SCHEDULES
+    workers = workers or DEFAULT_WORKERS
+    crash_modes = _split_modes(modes or DEFAULT_MODES)
     run_seed = seed if seed is not None else random.SystemRandom().randrange(1, 2**31)
     summary = RunSummary(seed=run_seed if "random" in chosen else None)
     if "random" in chosen:
@@ -224,7 +228,7 @@ def run(
     with scratch_folder(db, "agent-txn-fi-") as tmp, _progress(out) as progress:
         workdir = Path(tmp)
         for name in chosen:
-            total = (schedules or DEFAULT_SCHEDULES) if name == "random" and only is None else None
+            total = schedules if name == "random" and only is None else None
             task = progress.add_task(name, total=total)
 
             def done(result: ScenarioResult, task: Any = task) -> None:
@@ -243,11 +247,11 @@ def run(
                     name,
                     db,
                     workdir,
-                    schedules=schedules or DEFAULT_SCHEDULES,
+                    schedules=schedules,
                     seed=run_seed,
-                    workers=workers or DEFAULT_WORKERS,
+                    workers=workers,
                     only=only,
-                    modes=modes or DEFAULT_MODES,
+                    modes=crash_modes,
                     allow_server_restart=allow_server_restart,
                     progress=done,
                     # Shrunk schedules outlive the run's work folder, so replay can find them.
@@ -300,9 +304,7 @@ def _check_run_options(
     from fault_injection.matrix import matrix_cells
 
     try:
-        # Split as _run_one splits it: "kill," is the kill mode alone.
-        chosen_modes = tuple(m.strip() for m in (modes or DEFAULT_MODES).split(",") if m.strip())
-        cells = matrix_cells(chosen_modes)
+        cells = matrix_cells(_split_modes(modes or DEFAULT_MODES))
     except ValueError as exc:
         _refuse(f"--modes: {exc}")
     if not cells:
@@ -316,10 +318,15 @@ def _check_run_options(
             _refuse(f"--only: a random schedule's index is a number from 0, not {only!r}")
     elif "matrix" in chosen:
         if not any(fnmatchcase(cell.name, only) for cell in cells):
-            example = cells[0].name if cells else "effect.after_apply@charge/kill"
-            _refuse(f"--only: no matrix cell matches {only!r} (names look like {example!r})")
+            _refuse(f"--only: no matrix cell matches {only!r} (names look like {cells[0].name!r})")
     else:
         _refuse(f"--only is for the matrix and random suites, not {chosen[0]}")
+
+
+def _split_modes(modes: str) -> tuple[str, ...]:
+    """``--modes`` as the matrix takes it: comma-separated, blanks dropped ("kill," is the
+    kill mode alone)."""
+    return tuple(m.strip() for m in modes.split(",") if m.strip())
 
 
 async def _run_one(
@@ -331,7 +338,7 @@ async def _run_one(
     seed: int,
     workers: int,
     only: str | None,
-    modes: str,
+    modes: tuple[str, ...],
     allow_server_restart: bool,
     progress: Callable[[ScenarioResult], None],
     shrunk_dir: Path | None = None,
@@ -353,7 +360,7 @@ async def _run_one(
         return await run_matrix(
             db,
             workdir,
-            modes=tuple(m.strip() for m in modes.split(",") if m.strip()),
+            modes=modes,
             only=only,
             progress=progress,
         )
@@ -459,7 +466,11 @@ def check(
 
 
 def _check_fleet_options(
-    db: str, workers: int, kill_one_after: float | None, restart_after: float | None, faults: str
+    db: str | None,
+    workers: int,
+    kill_one_after: float | None,
+    restart_after: float | None,
+    faults: str,
 ) -> None:
     """Refuse in one line what would leave ``fleet`` waiting for sagas no worker can settle
     (its only worker killed; every worker dead at start of a bad fault list) or fail mid-run
@@ -493,13 +504,7 @@ def _check_restartable(db: str | None, option: str) -> None:
 
 @app.command("fleet")
 def fleet(
-    db: Annotated[
-        str,
-        typer.Option(
-            help="A PostgreSQL server URL (fresh databases are made there), or a SQLite URL "
-            "(fresh files in its file's folder; the workers share them)."
-        ),
-    ],
+    db: FreshDatabasesOption = None,
     sagas: Annotated[int, typer.Option(min=1, help="In-doubt sagas to recover.")] = 1000,
     workers: Annotated[int, typer.Option(min=1, max=64, help="Worker processes.")] = 4,
     kill_one_after: Annotated[

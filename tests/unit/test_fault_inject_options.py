@@ -123,6 +123,8 @@ PG = "postgresql+asyncpg://postgres@127.0.0.1:5432/postgres"
             ["--db", "sqlite+aiosqlite:///fleet.db", "--restart-after", "2"],
             "--restart-after restarts the local PostgreSQL server",
         ),
+        # Without --db the fleet runs on SQLite files in a temporary folder: nothing to restart.
+        (["--restart-after", "2"], "--restart-after restarts the local PostgreSQL server"),
         (
             ["--db", "postgresql+asyncpg://postgres@db.example:5432/x", "--restart-after", "2"],
             "--restart-after: this process cannot restart the server",
