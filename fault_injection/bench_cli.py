@@ -144,6 +144,11 @@ def render(result: BenchResult, out: Console) -> None:
             out.print(f"  - {problem}")
 
 
+#: ``--pairs`` left alone with ``--compare dbos`` (the option defaults to ``None`` so that one
+#: given without ``--compare`` can be refused).
+DEFAULT_PAIRS = 3
+
+
 def _usage(out: Console, message: str) -> typer.Exit:
     out.print(f"[red]error:[/] {message}")
     return typer.Exit(2)
@@ -194,7 +199,8 @@ def bench(
         str | None, typer.Option(help="dbos: run DBOS's version alternately with ours.")
     ] = None,
     pairs: Annotated[
-        int | None, typer.Option(min=1, max=20, help="Pairs with --compare.", show_default="3")
+        int | None,
+        typer.Option(min=1, max=20, help="Pairs with --compare.", show_default=str(DEFAULT_PAIRS)),
     ] = None,
     dbos_concurrency: Annotated[
         str | None,
@@ -331,7 +337,7 @@ def bench(
         data, ok = _compare(
             config,
             db,
-            3 if pairs is None else pairs,
+            DEFAULT_PAIRS if pairs is None else pairs,
             dbos_sqlite or "fast",
             out,
             match_time=match_time,
