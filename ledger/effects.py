@@ -23,6 +23,7 @@ from typing import Any
 from sqlalchemy import (
     BigInteger,
     ColumnElement,
+    Integer,
     String,
     Table,
     and_,
@@ -50,7 +51,7 @@ from ledger.schema import (
     transactions,
 )
 from ledger.states import CLAIMABLE, MAYBE_SENT, EffectState, check_effect_transition
-from ledger.store import Chain, Work
+from ledger.store import Chain, Store, Work
 
 
 class EffectKind(StrEnum):
@@ -825,12 +826,9 @@ async def for_txs(
     return found
 
 
-async def due(
-    conn: AsyncConnection, kind: EffectKind, now: ColumnElement[int], *, limit: int = 100
-) -> list[Effect]:
-    """Effects a recovery pass could claim now (pending, in doubt and due, or lease expired)."""
+def _due_statement(kind: EffectKind, now: ColumnElement[int]) -> Select[Any]:
     table = _TABLES[kind]
-    stmt = (
+    return (
         select(table)
         .where(
             effects_unsettled(table),  # as ``ix_<table>_due`` says it (schema.one_of_literals)
@@ -838,9 +836,22 @@ async def due(
             or_(table.c.next_attempt_at.is_(None), table.c.next_attempt_at <= now),
         )
         .order_by(table.c.next_attempt_at, table.c.tx_id)
-        .limit(limit)
+        .limit(bindparam("p_limit", type_=Integer))
     )
-    return [_effect(kind, row) for row in (await conn.execute(stmt)).all()]
+
+
+async def due(
+    conn: AsyncConnection, kind: EffectKind, store: Store, *, limit: int = 100
+) -> list[Effect]:
+    """Effects a recovery pass could claim now (pending, in doubt and due, or lease expired),
+    by ``store``'s clock.
+
+    The statement is built once per store (:meth:`Store.statement`): every recovery pass of
+    every worker runs it, idle ones included, and building and cache-keying a fresh select
+    cost more client CPU than running it (an idle pass took 1.14 ms of CPU on SQLite before,
+    ``docs/benchmarks-log.md`` item 71)."""
+    stmt = store.statement(("effects.due", kind), functools.partial(_due_statement, kind))
+    return [_effect(kind, row) for row in (await conn.execute(stmt, {"p_limit": limit})).all()]
 
 
 async def count_unsettled(conn: AsyncConnection, kind: EffectKind) -> int:

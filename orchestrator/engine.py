@@ -710,9 +710,7 @@ class Orchestrator:
         try:
             runs = await self.claim_due(limit=limit)
             async with self.store.read() as conn:
-                due_events = await effects.due(
-                    conn, EffectKind.OUTBOX, self.store.db_now(), limit=limit
-                )
+                due_events = await effects.due(conn, EffectKind.OUTBOX, self.store, limit=limit)
         except StorageError as exc:
             report.errors += 1
             log.warning("recovery claim failed", error=type(exc).__name__)

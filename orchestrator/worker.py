@@ -158,7 +158,7 @@ class Worker:
 
     async def _due_events(self, limit: int) -> list[str]:
         async with self.orch.store.read() as conn:
-            rows = await effects.due(conn, EffectKind.OUTBOX, self.orch.store.db_now(), limit=limit)
+            rows = await effects.due(conn, EffectKind.OUTBOX, self.orch.store, limit=limit)
         return list(dict.fromkeys(r.tx_id for r in rows))
 
     async def _drive(self, run: SagaRun) -> None:
