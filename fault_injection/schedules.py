@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Final, Literal
 
-from sqlalchemy import func, select
+from sqlalchemy import BindParameter, Select, bindparam, func, select
 from sqlalchemy.engine import make_url
 
 from fault_injection import shrink as shrinking
@@ -100,7 +100,14 @@ SCHEDULE_TIMEOUT_S: Final = 60.0
 #: Rounds after the schedule's own, granted only to replace workers that died or to absorb a
 #: released stale holder.
 MAX_ROUNDS: Final = 4
+#: A worker that found nothing due while sagas are in flight (another worker is in a call, an
+#: effect backs off) polls again after _POLL_S, doubling up to _POLL_MAX_S while nothing
+#: comes. At a flat 5 ms, three idle workers beside a call held to its 0.25 s budget made some
+#: 150 empty passes: 1 181 of 1 268 passes over 100 schedules were empty, and the polling was
+#: a fifth of a run's CPU. The cap stays above the suite's 20 ms longest backoff, so work that
+#: falls due waits at most one more poll.
 _POLL_S: Final = 0.005
+_POLL_MAX_S: Final = 0.04
 _AMOUNT: Final = 1200
 _OVER_LIMIT: Final = (1000, 1500)  # max_amount, amount: the post-condition fails
 _JSON_VERSION: Final = 1
@@ -795,16 +802,19 @@ class _Run:
     async def _drain(self, orch: Orchestrator, abort: asyncio.Event) -> bool:
         """Recover until our sagas are idle; True if this worker "died" (simulated crash)."""
         deadline = time.monotonic() + DRAIN_TIMEOUT_S
+        idle = _POLL_S
         try:
             while not abort.is_set() and time.monotonic() < deadline:
                 _dead_if_crashed(orch)
                 report = await orch.recover()
                 _dead_if_crashed(orch)
                 if report.transactions or report.events:
+                    idle = _POLL_S
                     continue
                 if not await self.in_flight(orch):
                     return False
-                await asyncio.sleep(_POLL_S)
+                await asyncio.sleep(idle)
+                idle = min(idle * 2, _POLL_MAX_S)
         except SimulatedCrash:
             # The dead worker's leases stay held for this round: the others stop at their next
             # pass, and the next round (clocks further ahead) takes over.
@@ -817,27 +827,9 @@ class _Run:
 
     async def in_flight(self, orch: Orchestrator) -> int:
         """Our sagas not yet terminal or parked, plus their unsettled outbox events."""
-        tx, ob = schema.transactions, schema.outbox
-        ids = self.schedule.tx_ids
-        idle = [st.value for st in (*TX_TERMINAL, TxState.MANUAL_REVIEW, TxState.STAGED)]
-        waiting = [
-            e.value for e in (EffectState.PENDING, EffectState.EXECUTING, EffectState.UNKNOWN)
-        ]
-        # One statement: workers poll this between passes while an effect backs off.
-        busy = (
-            select(func.count())
-            .select_from(tx)
-            .where(tx.c.tx_id.in_(ids), tx.c.status.not_in(idle))
-            .scalar_subquery()
-        )
-        events = (
-            select(func.count())
-            .select_from(ob)
-            .where(ob.c.tx_id.in_(ids), ob.c.state.in_(waiting))
-            .scalar_subquery()
-        )
         async with orch.store.read() as conn:
-            return int((await conn.execute(select(busy + events))).scalar_one())
+            found = await conn.execute(_IN_FLIGHT, {"ids": self.schedule.tx_ids})
+            return int(found.scalar_one())
 
     async def statuses(self, orch: Orchestrator) -> Counter[str]:
         """Status counts of this schedule's transactions."""
@@ -850,6 +842,30 @@ class _Run:
         async with orch.store.read() as conn:
             rows = (await conn.execute(stmt)).all()
         return Counter({str(status): int(n) for status, n in rows})
+
+
+def _in_flight_statement() -> Select[tuple[int]]:
+    tx, ob = schema.transactions, schema.outbox
+    ids: BindParameter[str] = bindparam("ids", expanding=True)
+    idle = [st.value for st in (*TX_TERMINAL, TxState.MANUAL_REVIEW, TxState.STAGED)]
+    waiting = [e.value for e in (EffectState.PENDING, EffectState.EXECUTING, EffectState.UNKNOWN)]
+    busy = (
+        select(func.count())
+        .select_from(tx)
+        .where(tx.c.tx_id.in_(ids), tx.c.status.not_in(idle))
+        .scalar_subquery()
+    )
+    events = (
+        select(func.count())
+        .select_from(ob)
+        .where(ob.c.tx_id.in_(ids), ob.c.state.in_(waiting))
+        .scalar_subquery()
+    )
+    return select(busy + events)
+
+
+#: One statement, built once: workers poll it between passes while an effect backs off.
+_IN_FLIGHT = _in_flight_statement()
 
 
 def _dead_if_crashed(orch: Orchestrator) -> None:
