@@ -7,9 +7,11 @@
   ``AGENT_TXN_TEST_PG_URL`` (default ``postgresql+asyncpg://postgres@127.0.0.1:5432/postgres``),
   named ``agt_<session tag>_...``, dropped after the test (in the background, see
   :mod:`tests.support.pg_databases`).
-* On PostgreSQL those databases are copies of templates already migrated (ours) / holding the
-  fake provider's tables, exactly what the first ``Store.open`` / ``FakeShop.open`` of an empty
-  database builds, so tests do not pay for the migrations. A test that must start from truly
+* Those databases are copies of templates already migrated (ours) / holding the fake provider's
+  tables, exactly what the first ``Store.open`` / ``FakeShop.open`` of an empty database builds,
+  so tests do not pay for the migrations: on PostgreSQL ``CREATE DATABASE ... TEMPLATE``, on
+  SQLite a copy of a template file built once per session (a fresh SQLite store's first open
+  costs about 70 ms here, a copy's about 4). A test that must start from truly
   empty databases (it migrates them itself, or checks that nothing was created) is marked
   ``@pytest.mark.empty_databases``; the modules in :data:`EMPTY_DATABASE_MODULES` are, as a whole.
 * PostgreSQL tests skip with a clear reason when no server is reachable, unless
@@ -19,7 +21,11 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import os
+import shutil
+import sqlite3
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,7 +76,7 @@ def pytest_configure(config: pytest.Config) -> None:
         ledger.store.DEFAULT_SQLITE_WRITER = SQLITE_WRITER  # type: ignore[assignment]
     config.addinivalue_line(
         "markers",
-        "empty_databases: db_urls gives empty PostgreSQL databases, not migrated template copies",
+        "empty_databases: db_urls gives empty databases (no SQLite file yet), not template copies",
     )
     config.addinivalue_line(
         "markers",
@@ -216,6 +222,38 @@ def pg_databases() -> Iterator[PgDatabases]:
         databases.close()
 
 
+@dataclass(frozen=True)
+class SqliteTemplates:
+    """This session's two SQLite template files: ours, migrated, and the fake provider's."""
+
+    store: Path
+    provider: Path
+
+
+def _sqlite_url(path: Path) -> str:
+    return f"sqlite+aiosqlite:///{path}"
+
+
+async def _build_sqlite_templates(folder: Path) -> SqliteTemplates:
+    templates = SqliteTemplates(folder / "agent.db", folder / "provider.db")
+    await _build_store_template(_sqlite_url(templates.store))
+    await _build_provider_template(_sqlite_url(templates.provider))
+    for path in (templates.store, templates.provider):
+        # A copy takes the main file only: whatever a closed store left in its write-ahead log
+        # goes into the file first, and the log is emptied.
+        with contextlib.closing(sqlite3.connect(path)) as conn:
+            conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    return templates
+
+
+@pytest.fixture(scope="session")
+def sqlite_templates(tmp_path_factory: pytest.TempPathFactory) -> SqliteTemplates:
+    """Built on first use, in a thread of its own: no test's event loop is involved."""
+    folder = tmp_path_factory.mktemp("sqlite-templates")
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, _build_sqlite_templates(folder)).result()
+
+
 def _wants_empty_databases(request: pytest.FixtureRequest) -> bool:
     if request.node.get_closest_marker("empty_databases") is not None:
         return True
@@ -232,11 +270,12 @@ def _wants_empty_databases(request: pytest.FixtureRequest) -> bool:
 def db_urls(backend: str, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[DbUrls]:
     """Fresh databases (ours + the fake provider's) on the parametrized backend."""
     if backend == "sqlite":
-        yield DbUrls(
-            backend,
-            store=f"sqlite+aiosqlite:///{tmp_path / 'agent.db'}",
-            provider=f"sqlite+aiosqlite:///{tmp_path / 'provider.db'}",
-        )
+        store, provider = tmp_path / "agent.db", tmp_path / "provider.db"
+        if not _wants_empty_databases(request):
+            templates: SqliteTemplates = request.getfixturevalue("sqlite_templates")
+            shutil.copyfile(templates.store, store)
+            shutil.copyfile(templates.provider, provider)
+        yield DbUrls(backend, store=_sqlite_url(store), provider=_sqlite_url(provider))
         return
     databases: PgDatabases = request.getfixturevalue("pg_databases")
     # Synchronous on purpose: the server work runs on the dropper's own loop and thread, so this
