@@ -8,8 +8,10 @@ test would pass without migrating anything), and copies made ahead that outlive 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -76,11 +78,22 @@ def _wait_for_stock(databases: PgDatabases, wanted: int) -> None:
         time.sleep(0.05)
 
 
-def test_sets_made_ahead_are_handed_out_once_and_dropped_at_close() -> None:
+@contextlib.contextmanager
+def _own_databases(stock: int) -> Iterator[tuple[PgDatabases, str]]:
+    """A creator of its own (its own tag), and a check that closing it left nothing behind:
+    neither a set made ahead nor a half-made one."""
     require_pg()
     tag = f"fx{uuid.uuid4().hex[:6]}"
-    databases = PgDatabases(make_url(pg_admin_url()), tag=tag, stock=2)
+    databases = PgDatabases(make_url(pg_admin_url()), tag=tag, stock=stock)
     try:
+        yield databases, tag
+    finally:
+        databases.close()
+    assert asyncio.run(_tagged(tag)) == set()
+
+
+def test_sets_made_ahead_are_handed_out_once_and_dropped_at_close() -> None:
+    with _own_databases(stock=2) as (databases, tag):
         first = databases.create(("store", "provider"), migrated=False)
         _wait_for_stock(databases, 2)
         on_server = asyncio.run(_tagged(tag))
@@ -91,39 +104,22 @@ def test_sets_made_ahead_are_handed_out_once_and_dropped_at_close() -> None:
         assert len({*first, *second, *third}) == 6  # each set went to one caller only
         assert {*second, *third} <= on_server  # both were the ones made ahead
         databases.drop_later([*first, *second, *third])
-    finally:
-        databases.close()
-    assert asyncio.run(_tagged(tag)) == set()  # nor any set made ahead, nor a half-made one
 
 
 def test_no_stock_makes_every_set_on_demand() -> None:
-    require_pg()
-    tag = f"fx{uuid.uuid4().hex[:6]}"
-    databases = PgDatabases(make_url(pg_admin_url()), tag=tag, stock=0)
-    try:
+    with _own_databases(stock=0) as (databases, tag):
         names = databases.create(("store",), migrated=False)
         time.sleep(0.2)
         assert databases.ready_sets() == 0
         assert asyncio.run(_tagged(tag)) == set(names)
-        databases.drop_later(names)
-    finally:
-        databases.close()
-    assert asyncio.run(_tagged(tag)) == set()
 
 
 def test_two_kinds_are_made_ahead_side_by_side() -> None:
-    # Migrated copies and empty databases, as a session asks for both.
-    require_pg()
-    tag = f"fx{uuid.uuid4().hex[:6]}"
-    databases = PgDatabases(make_url(pg_admin_url()), tag=tag, stock=2)
-    try:
-        plain = databases.create(("store",), migrated=False)
-        pairs = databases.create(("store", "provider"), migrated=False)
+    # A lone database and a pair: a session asks for several kinds, and fills both stocks.
+    with _own_databases(stock=2) as (databases, tag):
+        databases.create(("store",), migrated=False)
+        databases.create(("store", "provider"), migrated=False)
         _wait_for_stock(databases, 4)  # each kind's two, neither filler lost to the other
         assert len(asyncio.run(_tagged(tag))) == 1 + 2 + 2 * 1 + 2 * 2
         assert len(databases.create(("store",), migrated=False)) == 1
         assert len(databases.create(("store", "provider"), migrated=False)) == 2
-        databases.drop_later([*plain, *pairs])
-    finally:
-        databases.close()
-    assert asyncio.run(_tagged(tag)) == set()
