@@ -709,17 +709,23 @@ class Orchestrator:
         report = RecoveryReport(passes=1)
         try:
             runs = await self.claim_due(limit=limit)
-            async with self.store.read() as conn:
-                due_events = await effects.due(conn, EffectKind.OUTBOX, self.store, limit=limit)
+            due_events = await self.due_outbox(limit=limit)
         except StorageError as exc:
             report.errors += 1
             log.warning("recovery claim failed", error=type(exc).__name__)
             return report
         for run in runs:
             await self._guarded(report, self.drive_claimed(run), run.tx_id)
-        for tx_id in dict.fromkeys(e.tx_id for e in due_events):
+        for tx_id in due_events:
             await self._guarded(report, self.dispatch_outbox(tx_id), tx_id, outbox=True)
         return report
+
+    async def due_outbox(self, *, limit: int) -> list[str]:
+        """The transactions with outbox events due now (up to ``limit`` events), each once,
+        oldest due first: what a recovery pass or a worker dispatches."""
+        async with self.store.read() as conn:
+            events = await effects.due(conn, EffectKind.OUTBOX, self.store, limit=limit)
+        return list(dict.fromkeys(e.tx_id for e in events))
 
     async def _guarded(
         self, report: RecoveryReport, job: Any, tx_id: str, *, outbox: bool = False

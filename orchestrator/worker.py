@@ -20,8 +20,6 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from ledger import effects
-from ledger.effects import EffectKind
 from ledger.errors import LeaseLost, StorageError
 from orchestrator.callback_delivery import deliver_due
 from orchestrator.driver import SagaRun
@@ -106,7 +104,7 @@ class Worker:
         self.stats.passes += 1
         try:
             claimed = await self._claim(free)
-            due_events = await self._due_events(free) if len(claimed) < free else []
+            due_events = await self.orch.due_outbox(limit=free) if len(claimed) < free else []
         except StorageError as exc:
             self.stats.errors += 1
             log.warning("claim pass failed", error=type(exc).__name__)
@@ -155,11 +153,6 @@ class Worker:
             runs = await self.orch.claim_due(limit=limit)
         self.stats.claimed += len(runs)
         return runs
-
-    async def _due_events(self, limit: int) -> list[str]:
-        async with self.orch.store.read() as conn:
-            rows = await effects.due(conn, EffectKind.OUTBOX, self.orch.store, limit=limit)
-        return list(dict.fromkeys(r.tx_id for r in rows))
 
     async def _drive(self, run: SagaRun) -> None:
         try:
