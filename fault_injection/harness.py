@@ -168,6 +168,10 @@ class Harness:
     ) -> CheckReport:
         """Every invariant, read from both databases (through connections of the checker's
         own, never an engine's: ``fault_injection.invariants.check_invariants``)."""
+        # A call an engine gave up on (its timeout, its crash) may still be landing at the
+        # shop: the snapshot must hold everything that will ever land, or it could pass a
+        # state that is about to change.
+        await self.shop.settle()
         if self._evidence is None:
             self._evidence = await EvidenceReader.open(self.dbs.store, self.dbs.provider)
         snap = await self._evidence.load(tx_ids)

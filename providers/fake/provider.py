@@ -123,15 +123,18 @@ class FakeProvider:
         fault = ctx.faults.match("apply", self._name, action, key, kinds=_APPLY_FAULTS)
         kind = None if fault is None else fault.kind
         if kind is FaultKind.FAIL_BEFORE:
-            async with ctx.store.write(None, None) as conn:
+
+            async def log_refusal(conn: AsyncConnection) -> None:
                 await self._log(conn, "apply", action, key, fence, "unavailable", kind, False)
+
+            await ctx.store.call(None, None, log_refusal)
             raise ProviderUnavailable(f"{self._name}.{action}: injected failure before apply")
         if fault is not None and kind is FaultKind.TIMEOUT and not fault.effect_first:
             # The request is "in flight" and has not reached the provider: if the caller gives
             # up now, nothing happened and nothing is logged.
             await asyncio.sleep(fault.delay_s)
 
-        async with ctx.store.write(self._name, key) as conn:
+        async def apply_and_log(conn: AsyncConnection) -> ApplyOutcome:
             outcome, created = await self._apply_in_txn(conn, spec, key, payload, fence, fault)
             seen = outcome
             if kind is FaultKind.INDETERMINATE_5XX:
@@ -147,7 +150,10 @@ class FakeProvider:
             else:
                 answer = _describe(seen)
             await self._log(conn, "apply", action, key, fence, answer, kind, created)
+            return seen
 
+        # Once the request has reached the shop, the caller's giving up does not cut it short.
+        seen = await ctx.store.call(self._name, key, apply_and_log)
         if kind is FaultKind.LOSE_RESPONSE:
             raise ResponseLost(f"{self._name}.{action}: response lost after the call committed")
         if fault is not None and kind is FaultKind.TIMEOUT and fault.effect_first:
@@ -282,18 +288,24 @@ class FakeProvider:
         ctx = self._ctx
         fault = ctx.faults.match("lookup", self._name, action, key, kinds=_LOOKUP_FAULTS)
         if fault is not None:
-            async with ctx.store.write(None, None) as conn:
-                await self._log(conn, "lookup", action, key, None, "unavailable", fault.kind, False)
+            refused = fault.kind
+
+            async def log_refusal(conn: AsyncConnection) -> None:
+                await self._log(conn, "lookup", action, key, None, "unavailable", refused, False)
+
+            await ctx.store.call(None, None, log_refusal)
             return Unavailable("injected")
 
-        async with ctx.store.write(self._name, key) as conn:
+        async def look_up_and_log(conn: AsyncConnection) -> LookupOutcome:
             outcome = await self._lookup_in_txn(conn, spec, key, payload, void_if_missing)
             if isinstance(outcome, Found):
                 answer = "found"
             else:
                 answer = "voided" if outcome.voided else "not_found"
             await self._log(conn, "lookup", action, key, None, answer, None, False)
-        return outcome
+            return outcome
+
+        return await ctx.store.call(self._name, key, look_up_and_log)
 
     async def _lookup_in_txn(
         self,

@@ -73,8 +73,13 @@ class FakeShop:
         return cls(store, plan, clock or time.time, dedup_window_seconds)
 
     async def close(self) -> None:
-        """Dispose of the database engine."""
+        """Let every call in progress finish, then dispose of the database engine."""
         await self._store.dispose()
+
+    async def settle(self) -> None:
+        """Wait for the calls whose callers stopped waiting (a call timeout, a "crash"): once a
+        request has reached the shop it runs to its end, as it would at a real provider."""
+        await self._store.settle()
 
     async def __aenter__(self) -> FakeShop:
         return self

@@ -13,18 +13,21 @@ Dialect-specific behaviour is confined here:
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy import bindparam, event, func, insert, select, text, update
 from sqlalchemy.engine import URL, Connection, RowMapping, make_url
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
 from providers.fake import schema
+
+T = TypeVar("T")
 
 _SQLITE_BUSY_TIMEOUT_MS = 30_000
 # Any fixed number: serializes concurrent create_all on one PostgreSQL database.
@@ -168,6 +171,8 @@ class Store:
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
         self.is_postgres = engine.dialect.name == "postgresql"
+        #: Calls whose caller stopped waiting and that still run (see :meth:`call`).
+        self._unfinished: set[asyncio.Task[Any]] = set()
 
     @classmethod
     async def open(cls, url: str | URL) -> Store:
@@ -191,8 +196,14 @@ class Store:
         return store
 
     async def dispose(self) -> None:
-        """Close every pooled connection."""
+        """Let every call in progress finish, then close every pooled connection."""
+        await self.settle()
         await self.engine.dispose()
+
+    async def settle(self) -> None:
+        """Wait for the calls still running after their callers stopped waiting."""
+        while self._unfinished:
+            await asyncio.gather(*self._unfinished, return_exceptions=True)
 
     @asynccontextmanager
     async def write(self, provider: str | None, key: str | None) -> AsyncIterator[AsyncConnection]:
@@ -201,6 +212,48 @@ class Store:
             if self.is_postgres and provider is not None and key is not None:
                 await conn.execute(_KEY_LOCK, {"k": f"{provider}:{key}"})
             yield conn
+
+    async def call(
+        self,
+        provider: str | None,
+        key: str | None,
+        body: Callable[[AsyncConnection], Awaitable[T]],
+    ) -> T:
+        """``body`` in one :meth:`write` transaction that runs to its end even when the caller
+        stops waiting (its call timeout, its process "crashing"): the caller sees its own
+        cancellation, the shop commits or fails on its own, and :meth:`settle` waits for it.
+
+        Why: the shop is another system. A client that gives up does not reach into a real
+        provider's database and cut its transaction short; the request lands or not on the
+        provider's side (the fake HTTP server behaves so too), which is what "unknown" means.
+        Cutting it short also broke the SQLite file: a cancellation inside an aiosqlite
+        statement makes SQLAlchemy close that connection with the statement still open, and
+        SQLite keeps such a connection (a "zombie") and its write lock until the garbage
+        collector frees the statement. Every other writer then waited out the 30 s busy
+        timeout: CI's ``database is locked`` on ``285a65d`` (``docs/benchmarks-log.md``,
+        item 72).
+        """
+        task = asyncio.get_running_loop().create_task(self._call(provider, key, body))
+        self._unfinished.add(task)
+        task.add_done_callback(self._finished)
+        # A caller cancelled here leaves the task running, and the shield lets go of it.
+        return await asyncio.shield(task)
+
+    def _finished(self, task: asyncio.Task[Any]) -> None:
+        self._unfinished.discard(task)
+        if not task.cancelled():
+            # Retrieved: a failure whose caller had stopped waiting is nobody's to report (the
+            # caller's side already saw its own timeout), and asyncio would log it as lost.
+            task.exception()
+
+    async def _call(
+        self,
+        provider: str | None,
+        key: str | None,
+        body: Callable[[AsyncConnection], Awaitable[T]],
+    ) -> T:
+        async with self.write(provider, key) as conn:
+            return await body(conn)
 
     # -- protocol state -------------------------------------------------------------------------
 

@@ -7,10 +7,16 @@ never an in-memory counter; one test reopens the database with a second shop to 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import contextlib
+import gc
+import random
+import sqlite3
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
+from sqlalchemy import make_url, text
+from sqlalchemy.ext.asyncio import create_async_engine
 
 from providers import (
     Confirmed,
@@ -426,6 +432,97 @@ async def test_timeout_is_cut_by_the_callers_deadline(shop: FakeShop, effect_fir
     expected = expect(payments_charge=1) if effect_first else no_effects()
     assert await shop.counts() == expected
     assert shop.faults.fired == {FaultKind.TIMEOUT: 1}
+
+
+@contextlib.asynccontextmanager
+async def _shop_held(db_urls: Any, key: str) -> AsyncIterator[None]:
+    """Another client of the shop database holds what an apply of ``key`` must wait for (the
+    file's write lock on SQLite, the key's advisory lock on PostgreSQL) until the block ends;
+    the apply started in the block is then waiting inside the shop's transaction."""
+    url = make_url(db_urls.provider)
+    if db_urls.backend == "sqlite":
+        holder = sqlite3.connect(str(url.database), isolation_level=None)
+        try:
+            holder.execute("BEGIN IMMEDIATE")
+            yield
+            holder.execute("ROLLBACK")
+        finally:
+            holder.close()
+        return
+    engine = create_async_engine(url)
+    try:
+        async with engine.connect() as conn:
+            await conn.execute(
+                text("SELECT pg_advisory_xact_lock(hashtext(:k))"), {"k": f"payments:{key}"}
+            )
+            yield
+            await conn.rollback()
+    finally:
+        await engine.dispose()
+
+
+async def _until_waiting(db_urls: Any) -> None:
+    """Until the apply waits on the held lock (PostgreSQL shows it; SQLite's busy handler does
+    not, so there the test gives it a moment: the verdict does not depend on it, since the
+    caller is cancelled before the held lock lets the shop commit either way)."""
+    if db_urls.backend == "sqlite":
+        await asyncio.sleep(0.2)
+        return
+    engine = create_async_engine(make_url(db_urls.provider))
+    waiting = text("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted")
+    try:
+        async with engine.connect() as conn:
+            for _ in range(1000):
+                if (await conn.execute(waiting)).scalar_one():
+                    return
+                await asyncio.sleep(0.01)
+        raise AssertionError("the apply never waited on the held lock")
+    finally:
+        await engine.dispose()
+
+
+async def test_a_call_whose_caller_gave_up_still_lands(db_urls: Any, shop: FakeShop) -> None:
+    # A client's timeout does not reach into a real provider's database: the request that got
+    # there finishes there. Cut short instead, SQLite kept the cancelled statement's write lock
+    # until garbage collection (the shop's store, ``Store.call``).
+    async with _shop_held(db_urls, "k1"):
+        caller = asyncio.create_task(
+            shop.payments.apply("charge", key="k1", payload=CHARGE, fence=1)
+        )
+        await _until_waiting(db_urls)
+        caller.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await caller
+    await shop.settle()
+    assert await shop.counts() == expect(payments_charge=1)
+    assert [(c.outcome, c.created_effect) for c in await shop.calls("k1")] == [("confirmed", True)]
+
+
+@pytest.fixture
+def no_gc() -> Iterator[None]:
+    """The garbage collector off: a connection left locked until it runs stays locked."""
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+@pytest.mark.usefixtures("no_gc")
+async def test_callers_cut_at_any_point_leave_every_call_landed(shop: FakeShop) -> None:
+    # Deadlines from 0 to 4 ms cut callers before, inside and after the shop's statements. On
+    # SQLite a statement cut inside aiosqlite left its connection's write lock held (with the
+    # collector off, for good): every later write waited out the 30 s busy timeout.
+    async def give_up_early(i: int) -> None:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(random.Random(i).uniform(0.0, 0.004)):
+                await shop.payments.apply("charge", key=f"k{i}", payload=CHARGE, fence=1)
+
+    for first in range(0, 40, 8):
+        await asyncio.gather(*(give_up_early(i) for i in range(first, first + 8)))
+    await shop.settle()
+    assert await shop.counts() == expect(payments_charge=40)
+    assert sorted(c.key for c in await shop.calls()) == sorted(f"k{i}" for i in range(40))
 
 
 async def test_short_timeout_still_answers(shop: FakeShop) -> None:
