@@ -15,8 +15,9 @@ A cell is ``(point, position, mode)``, named like ``effect.after_apply@charge/ki
   that to the workers, so the victim also drains once as its own worker).
 * modes: ``inprocess`` — the point raises ``SimulatedCrash`` inside ``execute`` (or, for the
   outbox event's ``record.*``, in the transaction its record rides on: :mod:`ledger.riders`),
-  the engine is abandoned; ``kill`` — a real subprocess (:mod:`fault_injection.victim`)
-  SIGKILLs itself at the point and must die by signal 9.
+  the engine is abandoned; ``kill`` — a real subprocess (:mod:`fault_injection.victim`,
+  forked by :mod:`fault_injection.forkserver` in a run of cells) SIGKILLs itself at the point
+  and must die by signal 9.
 
 Then a fresh engine recovers (clocks past the dead leases), the invariant checker runs on the
 cell's transaction, and the cell passes only if it is clean, the transaction ended committed
@@ -49,6 +50,8 @@ from typing import Any, Final
 from sqlalchemy.engine import make_url
 
 import fault_injection
+from fault_injection import forkserver
+from fault_injection.forkserver import ForkedProcess, ForkServer
 from fault_injection.harness import DatabasePair, Harness, fresh_databases, suite_settings
 from fault_injection.invariants import Violation
 from fault_injection.results import ScenarioResult
@@ -218,24 +221,35 @@ def _victim_env() -> dict[str, str]:
 class Victim:
     """A victim subprocess started ahead of its cell, waiting (``--wait``) for a go.
 
-    Start-up (the interpreter and the engine's imports, about 0.6 s) is most of a kill cell's
-    cost, so :func:`run_cells` starts the next cells' victims while the current cell runs. A
-    waiting victim has touched no database: it blocks on its stdin before opening anything,
-    so it cannot disturb the cell in progress.
+    Start-up (the interpreter and the engine's imports, about 0.6 s of CPU) was most of a kill
+    cell's cost. :func:`run_cells` forks its victims from one pre-imported process
+    (:mod:`fault_injection.forkserver`) where the platform can, and starts the next cells'
+    victims while the current cell runs. A waiting victim has touched no database: it blocks
+    on its stdin before opening anything, so it cannot disturb the cell in progress.
     """
 
-    def __init__(self, cell: Cell, tx_id: str, proc: asyncio.subprocess.Process) -> None:
+    def __init__(
+        self, cell: Cell, tx_id: str, proc: asyncio.subprocess.Process | ForkedProcess
+    ) -> None:
         self.cell = cell
         self.tx_id = tx_id
         self.proc = proc
         self.used = False
 
     @classmethod
-    async def start(cls, cell: Cell, dbs: DatabasePair, tx_id: str, *, wait: bool) -> Victim:
-        """Spawn the victim of ``cell``; with ``wait`` it idles until :meth:`run`."""
+    async def start(
+        cls,
+        cell: Cell,
+        dbs: DatabasePair,
+        tx_id: str,
+        *,
+        wait: bool,
+        forks: ForkServer | None = None,
+    ) -> Victim:
+        """Spawn the victim of ``cell``; with ``wait`` it idles until :meth:`run`. With
+        ``forks`` it is forked from that server instead of started afresh
+        (:mod:`fault_injection.forkserver` says why)."""
         argv = [
-            "-m",
-            "fault_injection.victim",
             "--store",
             dbs.store,
             "--provider",
@@ -253,8 +267,12 @@ class Victim:
             argv.append("--compensate")
         if wait:
             argv.append("--wait")
+        if forks is not None:
+            return cls(cell, tx_id, await forks.spawn(argv, stdin=wait))
         proc = await asyncio.create_subprocess_exec(
             sys.executable,
+            "-m",
+            "fault_injection.victim",
             *argv,
             stdin=asyncio.subprocess.PIPE if wait else asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE,
@@ -481,11 +499,16 @@ async def run_cells(
     """
     results: list[ScenarioResult] = []
     waiting: dict[int, Victim] = {}
+    forks: ForkServer | None = None
+    if forkserver.AVAILABLE and any(cell.mode == "kill" for cell in cells):
+        forks = await ForkServer.start(_victim_env())
     try:
         for index, cell in enumerate(cells):
             for ahead in range(index, min(index + 1 + LOOKAHEAD, len(cells))):
                 if cells[ahead].mode == "kill" and ahead not in waiting:
-                    waiting[ahead] = await Victim.start(cells[ahead], dbs, _new_tx_id(), wait=True)
+                    waiting[ahead] = await Victim.start(
+                        cells[ahead], dbs, _new_tx_id(), wait=True, forks=forks
+                    )
             mine = waiting.pop(index, None)
             tx_id = mine.tx_id if mine is not None else _new_tx_id()
             result = await _run_cell(cell, dbs, tx_id, repro, mine)
@@ -495,6 +518,8 @@ async def run_cells(
     finally:
         for victim in waiting.values():
             await victim.cancel()
+        if forks is not None:
+            await forks.close()
     return results
 
 
