@@ -132,7 +132,6 @@ class ForkServer:
         self._waiting: list[asyncio.Future[ForkedProcess]] = []
         self._children: dict[int, ForkedProcess] = {}
         self._early_exits: dict[int, int] = {}
-        self._lock = asyncio.Lock()
         self._gone: BaseException | None = None
         asyncio.get_running_loop().add_reader(sock.fileno(), self._on_message)
 
@@ -168,15 +167,15 @@ class ForkServer:
     async def spawn(self, argv: Sequence[str], *, stdin: bool) -> ForkedProcess:
         """Fork a victim running ``fault_injection.victim.main(argv)``; without ``stdin`` its
         stdin is closed at once (it reads end-of-file, as from ``/dev/null``)."""
-        async with self._lock:
-            if self._gone is not None:
-                raise ForkServerGone("the fork server has ended") from self._gone
-            answer: asyncio.Future[ForkedProcess] = asyncio.get_running_loop().create_future()
-            self._waiting.append(answer)
-            await asyncio.get_running_loop().sock_sendall(
-                self._sock, json.dumps({"argv": list(argv)}).encode()
-            )
-            child = await answer
+        if self._gone is not None:
+            raise ForkServerGone("the fork server has ended") from self._gone
+        answer: asyncio.Future[ForkedProcess] = asyncio.get_running_loop().create_future()
+        # Sent and queued with no await between: answers come in the order of the requests,
+        # so a caller cancelled here must still leave its place in the queue (see
+        # _on_message). A request is a few hundred bytes: the send never waits.
+        self._sock.send(json.dumps({"argv": list(argv)}).encode())
+        self._waiting.append(answer)
+        child = await answer
         if not stdin and child.stdin is not None:
             os.close(child.stdin)
             child.stdin = None
@@ -203,8 +202,11 @@ class ForkServer:
             answer = self._waiting.pop(0)
             if not answer.done():
                 answer.set_result(child)
-            else:  # its asker was cancelled: nobody will run it, so send it home
+            else:  # its asker was cancelled: nobody will run it, so end it
                 child.kill()
+                for fd in (stdin, stdout, stderr):
+                    os.close(fd)
+                child.stdin = None
         elif "exited" in message:
             pid, code = int(message["exited"]), int(message["code"])
             known = self._children.pop(pid, None)
@@ -272,6 +274,7 @@ def _fork(argv: list[str], closing: Sequence[int]) -> tuple[int, list[int]]:
             os.close(fd)
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         _child(argv, in_r, out_w, err_w)
     for fd in (in_r, out_w, err_w):
         os.close(fd)
@@ -303,6 +306,9 @@ def serve(sock: socket.socket) -> None:
     signal.set_wakeup_fd(wake_w)
     # A handler of our own (not the default, which ignores the signal without waking us).
     signal.signal(signal.SIGCHLD, lambda *_: None)
+    # Ctrl-C reaches the whole process group: the parent decides what it means, and when it
+    # ends, its end of the socket closes and this loop ends. Victims get the default back.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     sock.sendall(json.dumps({"ready": True}).encode())
     listening = sock.fileno()
     while True:

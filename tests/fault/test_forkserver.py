@@ -7,6 +7,7 @@ backends; these tests pin down the process side on its own.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 from collections.abc import AsyncIterator
@@ -78,3 +79,18 @@ async def test_a_closed_server_forks_nothing_more(tmp_path: Path) -> None:
     await server.close()
     with pytest.raises(ForkServerGone):
         await server.spawn(_waiting_argv(tmp_path), stdin=True)
+
+
+async def test_a_spawn_whose_caller_gave_up_keeps_the_answers_in_order(
+    forks: ForkServer, tmp_path: Path
+) -> None:
+    given_up = asyncio.create_task(forks.spawn(_waiting_argv(tmp_path), stdin=True))
+    await asyncio.sleep(0)  # it has asked, and waits for its answer
+    given_up.cancel()
+    # The next spawn gets its own victim, not the one forked for the cancelled request (that
+    # one is killed): a bad command line, so exit status 2, not a waiting victim's 0.
+    child = await forks.spawn(["--no-such-option"], stdin=False)
+    await child.communicate()
+    assert child.returncode == USAGE
+    with pytest.raises(asyncio.CancelledError):
+        await given_up
