@@ -263,6 +263,11 @@ def _child(argv: list[str], stdin: int, stdout: int, stderr: int) -> None:
         os._exit(code)
 
 
+#: The server's SIGINT disposition as it started, before it ignored the signal: its victims
+#: get it back (a victim of a run in the background ignores Ctrl-C, as a direct child would).
+_inherited_sigint: Any = signal.SIG_DFL
+
+
 def _fork(argv: list[str], closing: Sequence[int]) -> tuple[int, list[int]]:
     """Fork one victim; return its pid and the parent's ends (stdin, stdout, stderr)."""
     in_r, in_w = os.pipe()
@@ -274,7 +279,7 @@ def _fork(argv: list[str], closing: Sequence[int]) -> tuple[int, list[int]]:
             os.close(fd)
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGINT, _inherited_sigint)
         _child(argv, in_r, out_w, err_w)
     for fd in (in_r, out_w, err_w):
         os.close(fd)
@@ -307,8 +312,9 @@ def serve(sock: socket.socket) -> None:
     # A handler of our own (not the default, which ignores the signal without waking us).
     signal.signal(signal.SIGCHLD, lambda *_: None)
     # Ctrl-C reaches the whole process group: the parent decides what it means, and when it
-    # ends, its end of the socket closes and this loop ends. Victims get the default back.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # ends, its end of the socket closes and this loop ends. Victims get back what it had.
+    global _inherited_sigint
+    _inherited_sigint = signal.signal(signal.SIGINT, signal.SIG_IGN)
     sock.sendall(json.dumps({"ready": True}).encode())
     listening = sock.fileno()
     while True:
