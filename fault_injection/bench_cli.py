@@ -183,8 +183,11 @@ def bench(
         Path | None, typer.Option("--json", help="Write the results as JSON to PATH.")
     ] = None,
     sqlite_synchronous: Annotated[
-        str, typer.Option(help="SQLite synchronous pragma (engine and driver loop).")
-    ] = "FULL",
+        str | None,
+        typer.Option(
+            help="SQLite synchronous pragma (engine and driver loop).", show_default="FULL"
+        ),
+    ] = None,
     sqlite_writer: Annotated[
         str | None,
         typer.Option(
@@ -242,11 +245,22 @@ def bench(
     out = Console(highlight=False, soft_wrap=True)
     if provider not in PROVIDERS:
         raise _usage(out, f"--provider must be one of {', '.join(PROVIDERS)}")
-    if sqlite_synchronous.upper() not in {"OFF", "NORMAL", "FULL", "EXTRA"}:
+    synchronous = (sqlite_synchronous or "FULL").upper()
+    if synchronous not in {"OFF", "NORMAL", "FULL", "EXTRA"}:
         raise _usage(out, "--sqlite-synchronous must be OFF, NORMAL, FULL or EXTRA")
     if sqlite_writer is not None and sqlite_writer not in SQLITE_WRITERS:
         raise _usage(out, "--sqlite-writer must be inline or process")
     postgres = db is not None and db.startswith("postgres")
+    if postgres:
+        # SQLite's settings did nothing on a PostgreSQL run, so the run was not the one asked
+        # for: refused, as DBOS's options are without --compare.
+        for name, given in (
+            ("--sqlite-synchronous", sqlite_synchronous),
+            ("--sqlite-writer", sqlite_writer),
+            ("--dbos-sqlite", dbos_sqlite),
+        ):
+            if given is not None:
+                raise _usage(out, f"{name} is for a SQLite --db; this one is PostgreSQL")
     if workers and not recovery and not postgres:
         raise _usage(out, "--workers needs a PostgreSQL --db (SQLite has one writer)")
     if recovery:
@@ -314,7 +328,7 @@ def bench(
         latency_ms=latency_ms,
         warmup=warmup,
         driver_seconds=driver_seconds,
-        sqlite_synchronous=sqlite_synchronous.upper(),
+        sqlite_synchronous=synchronous,
         sqlite_writer=sqlite_writer,
         workers=workers,
         recovery=recovery,

@@ -236,6 +236,24 @@ def test_bench_cli_refuses_an_unknown_sqlite_writer() -> None:
     assert "--sqlite-writer must be inline or process" in got.output
 
 
+@pytest.mark.parametrize(
+    "option", [["--sqlite-synchronous", "NORMAL"], ["--sqlite-writer", "inline"]]
+)
+def test_bench_cli_refuses_sqlite_settings_on_postgresql(option: list[str]) -> None:
+    # They did nothing there: the run was not the one asked for.
+    got = CliRunner().invoke(app, ["--sagas", "1", "--db", "postgresql://server/x", *option])
+    assert got.exit_code == 2, got.output
+    assert f"{option[0]} is for a SQLite --db; this one is PostgreSQL" in got.output
+    assert "Traceback" not in got.output
+
+
+def test_bench_cli_refuses_dbos_sqlite_settings_on_postgresql() -> None:
+    args = ["--db", "postgresql://server/x", "--compare", "dbos", "--dbos-sqlite", "default"]
+    got = CliRunner().invoke(app, ["--sagas", "1", *args])
+    assert got.exit_code == 2, got.output
+    assert "--dbos-sqlite is for a SQLite --db; this one is PostgreSQL" in got.output
+
+
 def test_bench_cli_refuses_unknown_provider() -> None:
     got = CliRunner().invoke(app, ["--provider", "smtp"])
     assert got.exit_code == 2
