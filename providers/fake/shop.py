@@ -77,8 +77,9 @@ class FakeShop:
         await self._store.dispose()
 
     async def settle(self) -> None:
-        """Wait for the calls whose callers stopped waiting (a call timeout, a "crash"): once a
-        request has reached the shop it runs to its end, as it would at a real provider."""
+        """Wait until no call is in progress, those whose callers stopped waiting (a call
+        timeout, a "crash") included: once a request has reached the shop it runs to its end,
+        as it would at a real provider."""
         await self._store.settle()
 
     async def __aenter__(self) -> FakeShop:

@@ -171,7 +171,7 @@ class Store:
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
         self.is_postgres = engine.dialect.name == "postgresql"
-        #: Calls whose caller stopped waiting and that still run (see :meth:`call`).
+        #: Calls in progress, their callers waiting or not (see :meth:`call`).
         self._unfinished: set[asyncio.Task[Any]] = set()
 
     @classmethod
@@ -201,7 +201,7 @@ class Store:
         await self.engine.dispose()
 
     async def settle(self) -> None:
-        """Wait for the calls still running after their callers stopped waiting."""
+        """Wait until no call is in progress, those whose callers stopped waiting included."""
         while self._unfinished:
             await asyncio.gather(*self._unfinished, return_exceptions=True)
 
