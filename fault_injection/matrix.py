@@ -51,7 +51,7 @@ from sqlalchemy.engine import make_url
 
 import fault_injection
 from fault_injection import forkserver
-from fault_injection.forkserver import ForkedProcess, ForkServer
+from fault_injection.forkserver import ForkedProcess, ForkServer, ForkServerGone
 from fault_injection.harness import DatabasePair, Harness, fresh_databases, suite_settings
 from fault_injection.invariants import Violation
 from fault_injection.results import ScenarioResult
@@ -501,7 +501,10 @@ async def run_cells(
     waiting: dict[int, Victim] = {}
     forks: ForkServer | None = None
     if forkserver.AVAILABLE and any(cell.mode == "kill" for cell in cells):
-        forks = await ForkServer.start(_victim_env())
+        try:
+            forks = await ForkServer.start(_victim_env())
+        except (ForkServerGone, OSError):
+            forks = None  # victims start afresh, as where fork is missing: slower, the same
     try:
         for index, cell in enumerate(cells):
             for ahead in range(index, min(index + 1 + LOOKAHEAD, len(cells))):

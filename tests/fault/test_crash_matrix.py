@@ -17,6 +17,7 @@ import pytest
 from sqlalchemy import inspect
 from sqlalchemy.ext.asyncio import create_async_engine
 
+from fault_injection.forkserver import ForkServer, ForkServerGone
 from fault_injection.harness import DatabasePair
 from fault_injection.matrix import (
     MODES,
@@ -79,6 +80,26 @@ async def test_crash_matrix(db_urls: DbUrls, mode: str) -> None:
         print(f"  {r.seconds:5.2f}s {r.line}")
     assert not failed, "\n".join(failed)
     assert all(r.crashes == 1 and r.sagas == 1 for r in results)
+
+
+async def test_kill_cells_start_victims_afresh_when_no_fork_server_starts(
+    db_urls: DbUrls, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    started: list[int] = []
+
+    async def no_fork_server(env: dict[str, str]) -> ForkServer:
+        started.append(1)
+        raise ForkServerGone("no fork server here")
+
+    monkeypatch.setattr(ForkServer, "start", no_fork_server)
+    cells = [
+        Cell("effect.after_apply", "charge", "kill"),
+        Cell("record.after_commit", "reserve", "kill"),
+    ]
+    results = await run_cells(cells, _pair(db_urls))
+    assert started == [1]
+    assert [r.passed for r in results] == [True, True], [r.line for r in results]
+    assert all(r.detail["returncode"] == -9 for r in results)
 
 
 async def test_run_matrix_runs_only_the_named_cells(tmp_path: Path) -> None:
