@@ -131,7 +131,6 @@ class ForkServer:
         self._sock = sock
         self._waiting: list[asyncio.Future[ForkedProcess]] = []
         self._children: dict[int, ForkedProcess] = {}
-        self._early_exits: dict[int, int] = {}
         self._gone: BaseException | None = None
         asyncio.get_running_loop().add_reader(sock.fileno(), self._on_message)
 
@@ -197,8 +196,6 @@ class ForkServer:
             stdin, stdout, stderr = fds
             child = ForkedProcess(int(message["spawned"]), stdin, stdout, stderr)
             self._children[child.pid] = child
-            if child.pid in self._early_exits:
-                child._ended(self._early_exits.pop(child.pid))
             answer = self._waiting.pop(0)
             if not answer.done():
                 answer.set_result(child)
@@ -208,12 +205,11 @@ class ForkServer:
                     os.close(fd)
                 child.stdin = None
         elif "exited" in message:
-            pid, code = int(message["exited"]), int(message["code"])
-            known = self._children.pop(pid, None)
+            # Never before its "spawned": the server sends that right after the fork and reaps
+            # only later, and the socket keeps the order of its messages.
+            known = self._children.pop(int(message["exited"]), None)
             if known is not None:
-                known._ended(code)
-            else:
-                self._early_exits[pid] = code
+                known._ended(int(message["code"]))
 
     def _end(self, error: BaseException) -> None:
         if self._gone is not None:
