@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import statistics
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
@@ -52,7 +53,13 @@ from fault_injection.bench import (
 from fault_injection.bench_environment import describe, memory_files_note, one_line
 from fault_injection.cli import FreshDatabasesOption
 from fault_injection.harness import scratch_folder
-from fault_injection.steal import read_cpu_times, stolen_share
+from fault_injection.steal import (
+    ALIKE_STEAL_POINTS,
+    alike,
+    read_cpu_times,
+    steal_caution,
+    stolen_share,
+)
 from fault_injection.sweep import (
     OURS_SWEEP_CONCURRENCY,
     OURS_SWEEP_SAGAS,
@@ -343,9 +350,13 @@ def bench(
         ours_sweep = _sweep_ours(config, db, sweep_settings, out, match_time=match_time)
         config = dataclasses.replace(config, concurrency=ours_sweep.fastest)
     if compare is None:
+        start = read_cpu_times()
         result = run_job(run_bench(config, db=db))
+        steal = stolen_share(start, read_cpu_times())
         render(result, out)
+        _print_steal_caution(out, [steal], "this run")
         data = result.as_json()
+        data["steal_share"] = steal
         ok = result.check.ok
     else:
         data, ok = _compare(
@@ -541,6 +552,8 @@ def _compare(
         f"{data['dbos_sagas_per_s']:,.1f} workflows/s · ratio {data['ratio_vs_dbos']:.2f}x"
     )
     out.print(_median_interval_line(data))
+    if _print_steal_caution(out, [s for p in done for s in (p.steal, p.dbos_steal)], "halves"):
+        out.print(_alike_steal_line(done))
     data["dbos_concurrency_sweep"] = None if sweep is None else sweep.as_json("workflows_per_s")
     data["match_time_pilot"] = None if pilot is None else _pilot_json(pilot)
     # The runs that are not pairs count for the checks too: a failure anywhere fails the bench.
@@ -549,6 +562,29 @@ def _compare(
     data["dbos_check_ok"] = bool(data["dbos_check_ok"]) and dbos_ok
     data["check_ok"] = bool(data["check_ok"]) and dbos_ok and ours_ok
     return data, data["check_ok"]
+
+
+def _print_steal_caution(out: Console, shares: list[float | None], what: str) -> bool:
+    """A caution under figures the hypervisor's other guests took part in
+    (:func:`fault_injection.steal.steal_caution`); whether there was one."""
+    caution = steal_caution(shares, what=what)
+    if caution is not None:
+        out.print(f"[yellow]{escape(caution)}[/]")
+    return caution is not None
+
+
+def _alike_steal_line(pairs: list[ComparePair]) -> str:
+    """The pairs whose two halves lost alike shares (:func:`fault_injection.steal.alike`), and
+    their median ratio: the like-with-like reading a disturbed comparison still has."""
+    ratios = sorted(p.ratio for p in pairs if alike(p.steal, p.dbos_steal))
+    head = (
+        f"{len(ratios)} of {len(pairs)} pairs lost alike shares in both halves "
+        f"(within {ALIKE_STEAL_POINTS:.0%} of each other)"
+    )
+    if not ratios:
+        return head
+    spread = f" ({ratios[0]:.2f}x to {ratios[-1]:.2f}x)" if len(ratios) > 1 else ""
+    return f"{head}: their median ratio {statistics.median(ratios):.2f}x{spread}"
 
 
 def _print_problems(out: Console, problems: list[str]) -> None:

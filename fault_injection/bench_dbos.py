@@ -399,7 +399,9 @@ class ComparePair:
 def compare_json(pairs: list[ComparePair]) -> dict[str, Any]:
     """Our report (the run of median throughput) plus the DBOS keys: medians over the pairs."""
     by_ours = sorted(pairs, key=lambda p: p.ours.sagas_per_s)
-    data: dict[str, Any] = by_ours[len(by_ours) // 2].ours.as_json()
+    median_pair = by_ours[len(by_ours) // 2]
+    data: dict[str, Any] = median_pair.ours.as_json()
+    data["steal_share"] = median_pair.steal  # as a run alone reports it, for that half
     dbos_median = sorted(pairs, key=lambda p: p.dbos.sagas_per_s)[len(pairs) // 2].dbos
     data["dbos_sagas_per_s"] = statistics.median(p.dbos.sagas_per_s for p in pairs)
     data["ratio_vs_dbos"] = statistics.median(p.ratio for p in pairs)

@@ -10,6 +10,7 @@ prints each half's share, so a reader can tell a disturbed pair from a fair one.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,3 +52,40 @@ def stolen_share(before: CpuTimes | None, after: CpuTimes | None) -> float | Non
     if before is None or after is None or after.total <= before.total:
         return None
     return (after.steal - before.steal) / (after.total - before.total)
+
+
+#: A run (or a half of a pair) that lost at least this share of the machine's CPU to the
+#: hypervisor gets a caution under its figures. Why 5 %: on the machines the bench's figures
+#: come from, a quiet window read 0 to 1 %, and a window of 13 to 36 % moved a pair's ratio
+#: from 6.9 to 12.9 times DBOS's in one run (``docs/benchmarks-log.md``, item 73).
+STEAL_CAUTION_SHARE = 0.05
+
+
+def steal_caution(shares: Sequence[float | None], *, what: str) -> str | None:
+    """The caution to print under figures measured while the hypervisor took
+    :data:`STEAL_CAUTION_SHARE` or more of the machine's CPU (``None``: no reading reached
+    it). ``shares`` are the readings of the runs (``None`` where there was none); ``what``
+    names them in the text ("this run", "halves")."""
+    read = [s for s in shares if s is not None]
+    high = [s for s in read if s >= STEAL_CAUTION_SHARE]
+    if not high:
+        return None
+    span = f"{max(high):.0%}" if len(high) == 1 else f"{min(high):.0%} to {max(high):.0%}"
+    where = what if len(read) == 1 else f"{len(high)} of {len(read)} {what}"
+    return (
+        f"the hypervisor took {span} of the machine's CPU in {where}: these figures measure "
+        'its other guests too. Run again in a quieter window (docs/benchmarks.md, "Stolen '
+        'CPU time").'
+    )
+
+
+#: Two halves of a pair lost "alike" shares when these differ by at most this much (5 points).
+#: Why a bound at all: in a run with 2 to 36 % stolen per half, the difference between a pair's
+#: two shares explained nearly all of its ratio's spread (correlation -0.97 with the ratio's
+#: logarithm, ``docs/benchmarks-log.md``, item 73), the level they shared little of it.
+ALIKE_STEAL_POINTS = 0.05
+
+
+def alike(ours: float | None, theirs: float | None) -> bool:
+    """Whether two halves lost alike shares of the machine's CPU (both read)."""
+    return ours is not None and theirs is not None and abs(ours - theirs) <= ALIKE_STEAL_POINTS

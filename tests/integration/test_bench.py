@@ -14,6 +14,7 @@ import platform
 import sqlite3
 import statistics
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -26,6 +27,7 @@ from fault_injection.bench_cli import app
 from fault_injection.bench_dbos import (
     MATCH_CAP,
     SWEEP_CONCURRENCY,
+    ComparePair,
     DbosResult,
     dbos_available,
     matched_sagas,
@@ -35,7 +37,7 @@ from fault_injection.bench_environment import describe, filesystem_of, package_v
 from fault_injection.contract_checks import check_provider_contract
 from fault_injection.harness import DatabasePair
 from fault_injection.server_cpu import is_local_postgres, read_server, server_cpu_seconds
-from fault_injection.steal import read_cpu_times
+from fault_injection.steal import CpuTimes, read_cpu_times
 from fault_injection.sweep import SWEEP_ROUNDS
 from ledger import dialects
 from ledger.store import StoreStats
@@ -783,3 +785,72 @@ def test_bench_cli_match_time_sizes_our_half_from_dboss_last(tmp_path: Path, bac
     assert abs(second["sagas"] - expected) <= 1
     assert 5 <= second["sagas"] <= MATCH_CAP * 5
     assert f" sagas/s over {second['sagas']:,} sagas " in got.output
+
+
+def _readings(monkeypatch: pytest.MonkeyPatch, *steal_ticks: int) -> list[CpuTimes]:
+    """The machine's CPU counters the bench reads (``bench_cli.read_cpu_times``), stood in
+    for: 1 000 ticks pass between two readings, ``steal_ticks[i]`` of them stolen. Returns
+    the readings not yet taken."""
+    left = [CpuTimes(total=0, steal=0)]
+    for stolen in steal_ticks:
+        last = left[-1]
+        left.append(CpuTimes(total=last.total + 1000, steal=last.steal + stolen))
+    monkeypatch.setattr(bench_cli, "read_cpu_times", lambda: left.pop(0))
+    return left
+
+
+@pytest.mark.parametrize(("stolen", "caution"), [(300, True), (49, False)])
+def test_a_run_alone_reports_its_stolen_share_and_cautions_when_it_is_high(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stolen: int, caution: bool
+) -> None:
+    """A run on a virtual machine whose neighbours took a share of its CPU measures them too:
+    the JSON has the share, and from 5 % the output says so under the figures."""
+    left = _readings(monkeypatch, stolen)
+    got, data = _bench_json(tmp_path)
+    assert left == []  # read around the run, once each side
+    assert data["steal_share"] == pytest.approx(stolen / 1000)
+    text = " ".join(got.output.split())  # as rich wrapped it, unwrapped
+    said = "the hypervisor took 30% of the machine's CPU in this run:" in text
+    assert said is caution and ("hypervisor" in text) is caution, got.output
+
+
+@pytest.mark.skipif(not dbos_available(), reason="dbos is not installed (extra: bench)")
+def test_a_comparison_cautions_with_the_range_of_its_halves_stolen_shares(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each half's share is in its pair; the caution under the median names the high ones'
+    range and how many halves reached 5 %; the top-level share is the median pair's."""
+    _dbos_failing_on(monkeypatch, failing_call=0)  # DBOS stood in for, at 100 workflows/s
+    # Each pair reads at its start, middle and end (the pauses between pairs are not read):
+    # pair 1 ours 0 %, DBOS 20 %; pair 2 ours 7 %, DBOS 1 %; pair 3 none.
+    left = _readings(monkeypatch, 0, 200, 0, 70, 10, 0, 0, 0)
+    got, data = _compare_dbos(tmp_path, "--pairs", "3")
+    assert left == []
+    shares = [(p["steal_share"], p["dbos_steal_share"]) for p in data["pairs"]]
+    assert shares == [(0.0, 0.2), (0.07, pytest.approx(0.01)), (0.0, 0.0)]
+    text = " ".join(got.output.split())
+    assert "the hypervisor took 7% to 20% of the machine's CPU in 2 of 6 halves" in text
+    # Pair 2's halves lost 6 points apart; only pair 3's are alike.
+    ratio = data["pairs"][2]["ratio_vs_dbos"]
+    assert (
+        "1 of 3 pairs lost alike shares in both halves (within 5% of each other): "
+        f"their median ratio {ratio:.2f}x" in text
+    )
+    median = sorted(data["pairs"], key=lambda p: p["sagas_per_s"])[1]
+    assert data["steal_share"] == median["steal_share"]
+
+
+def test_the_alike_pairs_line_says_when_no_pair_was_alike_and_spans_several() -> None:
+    def pair(ours_per_s: float, steal: float | None, dbos_steal: float | None) -> ComparePair:
+        ours = SimpleNamespace(sagas_per_s=ours_per_s)
+        theirs = dbos_result(concurrency=1, per_s=100.0)
+        return ComparePair(ours, theirs, steal=steal, dbos_steal=dbos_steal)
+
+    none_alike = [pair(1000.0, 0.3, 0.1), pair(1000.0, None, 0.1)]  # an unread half is not alike
+    assert bench_cli._alike_steal_line(none_alike) == (
+        "0 of 2 pairs lost alike shares in both halves (within 5% of each other)"
+    )
+    several = [pair(900.0, 0.3, 0.28), pair(1200.0, 0.1, 0.3), pair(1100.0, 0.0, 0.05)]
+    assert bench_cli._alike_steal_line(several).endswith(
+        ": their median ratio 10.00x (9.00x to 11.00x)"
+    )
