@@ -354,7 +354,7 @@ def bench(
         result = run_job(run_bench(config, db=db))
         steal = stolen_share(start, read_cpu_times())
         render(result, out)
-        _print_steal_caution(out, [steal], "this run")
+        _print_steal_caution(out, [steal])
         data = result.as_json()
         data["steal_share"] = steal
         ok = result.check.ok
@@ -552,7 +552,8 @@ def _compare(
         f"{data['dbos_sagas_per_s']:,.1f} workflows/s · ratio {data['ratio_vs_dbos']:.2f}x"
     )
     out.print(_median_interval_line(data))
-    if _print_steal_caution(out, [s for p in done for s in (p.steal, p.dbos_steal)], "halves"):
+    halves = [share for p in done for share in (p.steal, p.dbos_steal)]
+    if _print_steal_caution(out, halves, of="halves"):
         out.print(_alike_steal_line(done))
     data["dbos_concurrency_sweep"] = None if sweep is None else sweep.as_json("workflows_per_s")
     data["match_time_pilot"] = None if pilot is None else _pilot_json(pilot)
@@ -564,10 +565,12 @@ def _compare(
     return data, data["check_ok"]
 
 
-def _print_steal_caution(out: Console, shares: list[float | None], what: str) -> bool:
+def _print_steal_caution(
+    out: Console, shares: list[float | None], *, of: str | None = None
+) -> bool:
     """A caution under figures the hypervisor's other guests took part in
     (:func:`fault_injection.steal.steal_caution`); whether there was one."""
-    caution = steal_caution(shares, what=what)
+    caution = steal_caution(shares, of=of)
     if caution is not None:
         out.print(f"[yellow]{escape(caution)}[/]")
     return caution is not None
@@ -636,10 +639,11 @@ def _sweep_ours(
         )
         return run_job(run_bench(trial, db=db))
 
-    def show(round_: int, concurrency: int, result: BenchResult) -> None:
+    def show(round_: int, concurrency: int, result: BenchResult, steal: float | None) -> None:
         out.print(
             f"  round {round_ + 1} · ours C={concurrency}: {result.sagas_per_s:,.1f} sagas/s "
-            f"({result.cpu_ms_per_saga:.1f} ms CPU{_server(result.server_cpu_ms_per_saga)})"
+            f"({result.cpu_ms_per_saga:.1f} ms CPU{_server(result.server_cpu_ms_per_saga)}"
+            f"{_steal(steal)})"
         )
 
     sweep = run_sweep(
@@ -653,6 +657,7 @@ def _sweep_ours(
     )
     means = " · ".join(f"C={c} {mean:,.1f}" for c, mean in sweep.means.items())
     out.print(f"our fastest here: C={sweep.fastest} (mean sagas/s: {means})")
+    _print_steal_caution(out, sweep.steal_shares, of="sweep runs")
     _print_problems(out, sweep.problems)
     return sweep
 
@@ -670,10 +675,11 @@ def _sweep_dbos(
         f"{SWEEP_ROUNDS} rounds):"
     )
 
-    def show(round_: int, concurrency: int, result: DbosResult) -> None:
+    def show(round_: int, concurrency: int, result: DbosResult, steal: float | None) -> None:
         out.print(
             f"  round {round_ + 1} · DBOS C={concurrency}: {result.sagas_per_s:,.1f} workflows/s "
-            f"({result.cpu_ms_per_saga:.1f} ms CPU{_server(result.server_cpu_ms_per_saga)})"
+            f"({result.cpu_ms_per_saga:.1f} ms CPU{_server(result.server_cpu_ms_per_saga)}"
+            f"{_steal(steal)})"
         )
 
     sweep = sweep_dbos(
@@ -681,6 +687,7 @@ def _sweep_dbos(
     )
     means = " · ".join(f"C={c} {mean:,.1f}" for c, mean in sweep.means.items())
     out.print(f"DBOS's fastest here: C={sweep.fastest} (mean workflows/s: {means})")
+    _print_steal_caution(out, sweep.steal_shares, of="sweep runs")
     _print_problems(out, sweep.problems)
     return sweep
 

@@ -330,10 +330,10 @@ def sweep_dbos(
     sqlite_tuning: SqliteTuning,
     concurrencies: tuple[int, ...] = SWEEP_CONCURRENCY,
     rounds: int = SWEEP_ROUNDS,
-    on_run: Callable[[int, int, DbosResult], None] | None = None,
+    on_run: Callable[[int, int, DbosResult, float | None], None] | None = None,
 ) -> Sweep:
     """Run DBOS alone at each of ``concurrencies``, ``rounds`` times over, on the database
-    ``run_dbos`` gives each run; ``on_run(round, concurrency, result)`` after each
+    ``run_dbos`` gives each run; ``on_run(round, concurrency, result, steal)`` after each
     (:func:`fault_injection.sweep.run_sweep`).
 
     Why: the issue's target is against "DBOS in its fastest settings", and which setting is

@@ -61,17 +61,17 @@ def stolen_share(before: CpuTimes | None, after: CpuTimes | None) -> float | Non
 STEAL_CAUTION_SHARE = 0.05
 
 
-def steal_caution(shares: Sequence[float | None], *, what: str) -> str | None:
+def steal_caution(shares: Sequence[float | None], *, of: str | None = None) -> str | None:
     """The caution to print under figures measured while the hypervisor took
     :data:`STEAL_CAUTION_SHARE` or more of the machine's CPU (``None``: no reading reached
-    it). ``shares`` are the readings of the runs (``None`` where there was none); ``what``
-    names them in the text ("this run", "halves")."""
+    it). ``shares`` are the runs' readings (``None`` where there was none): one run's, said as
+    "this run", or several, said as "N of M ``of``" ("halves", "sweep runs")."""
     read = [s for s in shares if s is not None]
     high = [s for s in read if s >= STEAL_CAUTION_SHARE]
     if not high:
         return None
     span = f"{max(high):.0%}" if len(high) == 1 else f"{min(high):.0%} to {max(high):.0%}"
-    where = what if len(read) == 1 else f"{len(high)} of {len(read)} {what}"
+    where = "this run" if of is None else f"{len(high)} of {len(read)} {of}"
     return (
         f"the hypervisor took {span} of the machine's CPU in {where}: these figures measure "
         'its other guests too. Run again in a quieter window (docs/benchmarks.md, "Stolen '

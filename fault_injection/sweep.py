@@ -15,6 +15,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from fault_injection.steal import read_cpu_times, stolen_share
+
 #: What ``--concurrency auto`` tries for ours. Ours was slowest sequentially and about flat
 #: from 16 to 64 on every machine measured (``docs/benchmarks.md``); 64 is there to show where
 #: more in flight stops paying on a machine of its own.
@@ -43,6 +45,9 @@ class Sweep:
     sagas: int
     #: What the engine's checker found wrong in any run.
     problems: list[str] = field(default_factory=list)
+    #: The machine's stolen share of CPU time during each run (``fault_injection.steal``), by
+    #: concurrency, in round order; ``None`` where it could not be read.
+    steal: dict[int, list[float | None]] = field(default_factory=dict)
 
     @property
     def means(self) -> dict[int, float]:
@@ -62,8 +67,20 @@ class Sweep:
         return {
             "sagas": self.sagas,
             "fastest": self.fastest,
-            "runs": [{"concurrency": c, rate_key: list(self.rates[c])} for c in sorted(self.rates)],
+            "runs": [
+                {
+                    "concurrency": c,
+                    rate_key: list(self.rates[c]),
+                    "steal_share": list(self.steal.get(c, [None] * len(self.rates[c]))),
+                }
+                for c in sorted(self.rates)
+            ],
         }
+
+    @property
+    def steal_shares(self) -> list[float | None]:
+        """Every run's stolen share, setting by setting."""
+        return [share for c in sorted(self.steal) for share in self.steal[c]]
 
 
 def run_sweep(
@@ -75,24 +92,29 @@ def run_sweep(
     sagas: int,
     concurrencies: Sequence[int],
     rounds: int = SWEEP_ROUNDS,
-    on_run: Callable[[int, int, R], None] | None = None,
+    on_run: Callable[[int, int, R, float | None], None] | None = None,
 ) -> Sweep:
     """``run_one(concurrency)`` at each of ``concurrencies``, ``rounds`` times over, rounds
-    interleaved; ``on_run(round, concurrency, result)`` after each. A run's checker problems
-    are kept, prefixed "``who`` alone at C=…", so that a sweep's failure fails the bench as a
-    pair's would."""
+    interleaved; ``on_run(round, concurrency, result, steal)`` after each, ``steal`` being the
+    machine's stolen share of CPU time during the run (a sweep's runs are short, and one that
+    a neighbour slowed can pick the wrong setting: the reader should see it). A run's checker
+    problems are kept, prefixed "``who`` alone at C=…", so that a sweep's failure fails the
+    bench as a pair's would."""
     if not concurrencies or rounds < 1:
         raise ValueError("a sweep needs at least one setting and one round")
     rates: dict[int, list[float]] = {c: [] for c in concurrencies}
+    steal: dict[int, list[float | None]] = {c: [] for c in concurrencies}
     found: list[str] = []
     for round_ in range(rounds):
         for c in concurrencies:
+            before = read_cpu_times()
             result = run_one(c)
+            steal[c].append(stolen_share(before, read_cpu_times()))
             rates[c].append(rate(result))
             found += [f"{who} alone at C={c}: {problem}" for problem in problems(result)]
             if on_run is not None:
-                on_run(round_, c, result)
-    return Sweep(rates=rates, sagas=sagas, problems=found)
+                on_run(round_, c, result, steal[c][-1])
+    return Sweep(rates=rates, sagas=sagas, problems=found, steal=steal)
 
 
 __all__ = [

@@ -512,8 +512,10 @@ def test_bench_cli_finds_dboss_fastest_setting_first(tmp_path: Path, backend: st
     assert sweep["sagas"] == 5
     assert [run["concurrency"] for run in sweep["runs"]] == list(SWEEP_CONCURRENCY)
     for run in sweep["runs"]:
-        assert len(run["workflows_per_s"]) == SWEEP_ROUNDS
+        assert len(run["workflows_per_s"]) == len(run["steal_share"]) == SWEEP_ROUNDS
         assert all(rate > 0 for rate in run["workflows_per_s"])
+        if read_cpu_times() is not None:  # Linux: each run's stolen share, printed too
+            assert all(0.0 <= share <= 1.0 for share in run["steal_share"])
     means = {run["concurrency"]: statistics.fmean(run["workflows_per_s"]) for run in sweep["runs"]}
     assert sweep["fastest"] == max(means, key=lambda c: (means[c], -c))
     # The pairs ran DBOS at the setting the sweep found, and said so.
@@ -548,11 +550,13 @@ def test_bench_cli_finds_our_fastest_setting_first(
     got, data = _bench_json(tmp_path, "--concurrency", "auto", backend=backend)
     assert runs == [1, 2, 4, 1, 2, 4, 2]  # rounds interleaved, then the measured run at 2
     sweep = data["concurrency_sweep"]
+    steal = [run.pop("steal_share") for run in sweep["runs"]]  # each run's, read around it
     assert sweep == {
         "sagas": 6,
         "fastest": 2,
         "runs": [{"concurrency": c, "sagas_per_s": set_rates[c]} for c in (1, 2, 4)],
     }
+    assert [len(shares) for shares in steal] == [SWEEP_ROUNDS] * 3
     assert data["concurrency"] == 2
     assert "our fastest here: C=2 (mean sagas/s: C=1 105.0 · C=2 295.0 · C=4 225.0)" in got.output
     assert "6 sagas · concurrency 2" in got.output

@@ -46,23 +46,23 @@ def test_reading_a_missing_file_gives_none(tmp_path: Path) -> None:
 
 
 def test_no_caution_below_the_share_or_without_readings() -> None:
-    assert steal_caution([0.0, 0.049, None], what="halves") is None
-    assert steal_caution([], what="this run") is None
-    assert steal_caution([None], what="this run") is None
+    assert steal_caution([0.0, 0.049, None], of="halves") is None
+    assert steal_caution([]) is None
+    assert steal_caution([None]) is None
 
 
 def test_a_run_alone_names_its_share() -> None:
-    caution = steal_caution([0.3], what="this run")
+    caution = steal_caution([0.3])
     assert caution is not None
     assert caution.startswith("the hypervisor took 30% of the machine's CPU in this run:")
 
 
 def test_halves_name_the_range_and_how_many_of_them_reached_it() -> None:
-    caution = steal_caution([0.13, 0.01, 0.34, None, 0.2], what="halves")
+    caution = steal_caution([0.13, 0.01, 0.34, None, 0.2], of="halves")
     assert caution is not None
     # The unread half is not counted among the halves; the quiet one is, outside the range.
     assert caution.startswith("the hypervisor took 13% to 34% of the machine's CPU in 3 of 4")
-    one = steal_caution([0.01, 0.07], what="halves")
+    one = steal_caution([0.01, 0.07], of="halves")
     assert one is not None and "took 7% of the machine's CPU in 1 of 2 halves:" in one
 
 

@@ -16,9 +16,11 @@ from typing import Any
 import pytest
 
 from fault_injection import bench_cli, bench_dbos
+from fault_injection import sweep as sweep_module
 from fault_injection.bench_cli import sweep_settings_that_fit
 from fault_injection.bench_dbos import DbosResult, sweep_dbos
 from fault_injection.pg_connections import connections_needed
+from fault_injection.steal import CpuTimes
 from fault_injection.sweep import OURS_SWEEP_CONCURRENCY, Sweep, run_sweep
 from ledger.pg_room import ConnectionRoom
 from tests.support.dbos_results import dbos_result
@@ -41,8 +43,9 @@ def test_the_json_lists_every_setting_with_its_runs() -> None:
         "sagas": 300,
         "fastest": 4,
         "runs": [
-            {"concurrency": 1, "workflows_per_s": [90.0, 91.0]},
-            {"concurrency": 4, "workflows_per_s": [100.0, 104.0]},
+            # No steal was read for these runs: null, one per run.
+            {"concurrency": 1, "workflows_per_s": [90.0, 91.0], "steal_share": [None, None]},
+            {"concurrency": 4, "workflows_per_s": [100.0, 104.0], "steal_share": [None, None]},
         ],
     }
 
@@ -72,7 +75,7 @@ def test_the_sweep_runs_every_setting_each_round_and_picks_the_fastest(
         sqlite_tuning="fast",
         concurrencies=(1, 2, 4, 8),
         rounds=2,
-        on_run=lambda r, c, _result: seen.append((r, c)),
+        on_run=lambda r, c, _result, _steal: seen.append((r, c)),
     )
     # Interleaved: every setting once, then every setting again.
     assert [c for _, c in calls] == [1, 2, 4, 8, 1, 2, 4, 8]
@@ -97,7 +100,10 @@ def test_what_dboss_checker_found_in_a_sweep_run_is_kept(
     assert sweep.problems == ["DBOS alone at C=2: charge: 2 effects for 1 workflows"]
 
 
-def test_ours_is_swept_with_its_own_key_and_checker_and_label() -> None:
+def test_ours_is_swept_with_its_own_key_and_checker_and_label(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(sweep_module, "read_cpu_times", lambda: None)  # no /proc/stat
     # Ours as it behaved on PostgreSQL: flat past 16, a little slower at 64.
     speed = {1: 400.0, 16: 1250.0, 32: 1260.0, 64: 1150.0}
     seen: list[tuple[int, int]] = []
@@ -108,12 +114,44 @@ def test_ours_is_swept_with_its_own_key_and_checker_and_label() -> None:
         who="ours",
         sagas=1000,
         concurrencies=(1, 16, 32, 64),
-        on_run=lambda r, c, _result: seen.append((r, c)),
+        on_run=lambda r, c, _result, _steal: seen.append((r, c)),
     )
     assert seen == [(r, c) for r in (0, 1) for c in (1, 16, 32, 64)]
     assert sweep.fastest == 32
     assert sweep.problems == ["ours alone at C=64: payments.charge: 2 effects for 1 intents"] * 2
-    assert sweep.as_json("sagas_per_s")["runs"][0] == {"concurrency": 1, "sagas_per_s": [400.0] * 2}
+    assert sweep.as_json("sagas_per_s")["runs"][0] == {
+        "concurrency": 1,
+        "sagas_per_s": [400.0] * 2,
+        "steal_share": [None, None],
+    }
+
+
+def test_each_sweep_run_reads_the_stolen_share_around_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sweep's runs are short, and a neighbour that slows one can make another setting look
+    fastest: each run's stolen share goes to ``on_run`` and into the JSON beside its rate."""
+    stolen = [0, 300, 50, 0]  # ticks of 1 000 stolen in each run, in the order they run
+    readings = [
+        CpuTimes(total=2000 * i + 1000 * after, steal=sum(stolen[:i]) + stolen[i] * after)
+        for i in range(len(stolen))
+        for after in (0, 1)
+    ]
+    monkeypatch.setattr(sweep_module, "read_cpu_times", lambda: readings.pop(0))
+    seen: list[tuple[int, int, float | None]] = []
+    sweep = run_sweep(
+        lambda c: float(c),
+        rate=lambda result: result,
+        problems=lambda _result: [],
+        who="ours",
+        sagas=10,
+        concurrencies=(1, 2),
+        rounds=2,
+        on_run=lambda r, c, _result, steal: seen.append((r, c, steal)),
+    )
+    assert readings == []  # before and after each run, nothing else
+    assert seen == [(0, 1, 0.0), (0, 2, 0.3), (1, 1, 0.05), (1, 2, 0.0)]
+    runs = sweep.as_json("sagas_per_s")["runs"]
+    assert [run["steal_share"] for run in runs] == [[0.0, 0.05], [0.3, 0.0]]
+    assert sweep.steal_shares == [0.0, 0.05, 0.3, 0.0]
 
 
 @pytest.mark.parametrize(("concurrencies", "rounds"), [((), 2), ((1, 2), 0)])
