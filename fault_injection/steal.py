@@ -56,8 +56,8 @@ def stolen_share(before: CpuTimes | None, after: CpuTimes | None) -> float | Non
 
 #: A run (or a half of a pair) that lost at least this share of the machine's CPU to the
 #: hypervisor gets a caution under its figures. Why 5 %: on the machines the bench's figures
-#: come from, a quiet window read 0 to 1 %, and a window of 13 to 36 % moved a pair's ratio
-#: from 6.9 to 12.9 times DBOS's in one run (``docs/benchmarks-log.md``, item 73).
+#: come from, a quiet window read 0 to 1 %, and in a window of 2 to 35 % a half, one run's
+#: pair ratios spread from 5.8 to 15.7 times DBOS's (``docs/benchmarks-log.md``, item 73).
 STEAL_CAUTION_SHARE = 0.05
 
 
@@ -80,7 +80,7 @@ def steal_caution(shares: Sequence[float | None], *, of: str | None = None) -> s
 
 
 #: Two halves of a pair lost "alike" shares when these differ by at most this much (5 points).
-#: Why a bound at all: in a run with 2 to 36 % stolen per half, the difference between a pair's
+#: Why a bound at all: in a run with 2 to 35 % stolen per half, the difference between a pair's
 #: two shares explained nearly all of its ratio's spread (correlation -0.97 with the ratio's
 #: logarithm, ``docs/benchmarks-log.md``, item 73), the level they shared little of it.
 ALIKE_STEAL_POINTS = 0.05
