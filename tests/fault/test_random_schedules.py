@@ -47,7 +47,7 @@ def _long_run(backend: str) -> tuple[int, int]:
     return SEED, RUN_SIZE[backend]
 
 
-def _failures(results: list[ScenarioResult], seed: int = SEED) -> str:
+def _failures(results: list[ScenarioResult], seed: int) -> str:
     lines = [f"{r.line}\n    repro: {r.repro}\n    {r.detail}" for r in results if not r.passed]
     return f"seed {seed}: {len(lines)} failing schedule(s)\n" + "\n".join(lines[:5])
 
