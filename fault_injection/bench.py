@@ -25,6 +25,7 @@ Commits and statements are counted by the store's SQLAlchemy event listeners
 from __future__ import annotations
 
 import asyncio
+import math
 import signal
 import statistics
 import sys
@@ -102,8 +103,9 @@ class BenchConfig:
             raise ValueError("sagas and concurrency must be >= 1, warmup and workers >= 0")
         if self.provider not in PROVIDERS:
             raise ValueError(f"provider must be one of {', '.join(PROVIDERS)}")
-        if self.latency_ms < 0 or self.driver_seconds <= 0:
-            raise ValueError("latency_ms must be >= 0 and driver_seconds > 0")
+        # Written as ranges that must hold: NaN fails every comparison, so it is refused too.
+        if not (0 <= self.latency_ms < math.inf and 0 < self.driver_seconds < math.inf):
+            raise ValueError("latency_ms must be finite and >= 0, driver_seconds finite and > 0")
         if self.recovery and (self.workers < 1 or self.provider != "fake"):
             raise ValueError("recovery mode needs workers >= 1 and the fake provider")
 

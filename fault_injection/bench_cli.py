@@ -80,6 +80,13 @@ InFlight = int | Literal["auto"]
 MAX_IN_FLIGHT = 1024
 #: The driver loop's length in a run of our sweep (its reading is not used there).
 SWEEP_DRIVER_SECONDS = 0.1
+#: The longest ``--latency-ms``. Why a bound: ``inf`` passed the option's ``min`` and made
+#: every provider call sleep for ever; and a call that sleeps past the engine's call timeout
+#: (``EngineSettings.call_timeout_seconds``, 10 s) is cut as unknown and looked up (which
+#: sleeps as long), so the saga never ends. Half of it leaves a call and its lookup room.
+MAX_LATENCY_MS = 5_000.0
+#: The longest ``--driver-seconds`` (``inf`` ran the driver loop for ever).
+MAX_DRIVER_SECONDS = 60.0
 
 app = typer.Typer(
     help="Benchmark the order saga end to end.",
@@ -181,7 +188,10 @@ def bench(
     ] = False,
     provider: Annotated[str, typer.Option(help="memory | fake | http")] = "memory",
     latency_ms: Annotated[
-        float, typer.Option(min=0, help="Added to every provider call (asyncio.sleep).")
+        float,
+        typer.Option(
+            min=0, max=MAX_LATENCY_MS, help="Added to every provider call (asyncio.sleep)."
+        ),
     ] = 0.0,
     warmup: Annotated[
         int, typer.Option(min=0, help="Sagas run before measuring (per worker with --workers).")
@@ -203,7 +213,10 @@ def bench(
         ),
     ] = None,
     driver_seconds: Annotated[
-        float, typer.Option(min=0.1, help="Length of the driver's small-commit loop.")
+        float,
+        typer.Option(
+            min=0.1, max=MAX_DRIVER_SECONDS, help="Length of the driver's small-commit loop."
+        ),
     ] = 1.5,
     compare: Annotated[
         str | None, typer.Option(help="dbos: run DBOS's version alternately with ours.")

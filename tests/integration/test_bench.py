@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import platform
 import sqlite3
 import statistics
@@ -281,6 +282,40 @@ def test_bench_cli_refuses_bad_mode_combinations(args: list[str]) -> None:
     got = CliRunner().invoke(app, ["--sagas", "1", *args])
     assert got.exit_code == 2, got.output
     assert "Traceback" not in got.output
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        # inf passed the options' lower bounds and then ran for ever: the driver loop, or
+        # every provider call's sleep (and past the call timeout, its lookup's too).
+        ("--latency-ms", "inf"),
+        ("--latency-ms", "5001"),
+        ("--latency-ms", "nan"),
+        ("--driver-seconds", "inf"),
+        ("--driver-seconds", "61"),
+        ("--driver-seconds", "nan"),
+    ],
+)
+def test_bench_cli_refuses_a_time_without_end(option: str, value: str) -> None:
+    got = CliRunner().invoke(app, ["--sagas", "1", option, value])
+    assert got.exit_code == 2, got.output
+    assert f"Invalid value for '{option}'" in got.output
+    assert "Traceback" not in got.output
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        {"latency_ms": math.inf},
+        {"latency_ms": math.nan},
+        {"driver_seconds": math.inf},
+        {"driver_seconds": math.nan},
+    ],
+)
+def test_bench_config_refuses_times_that_are_not_finite(values: dict[str, float]) -> None:
+    with pytest.raises(ValueError, match="finite"):
+        BenchConfig(**values)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("value", ["fast", "0", "1025", "4.5", ""])
