@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import sqlite3
 import time
@@ -19,7 +20,7 @@ from typing import Any, Literal
 from sqlalchemy import BigInteger, Table, event, literal_column
 from sqlalchemy.dialects.postgresql import insert as postgresql_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
-from sqlalchemy.engine import Connection, make_url
+from sqlalchemy.engine import URL, Connection, make_url
 from sqlalchemy.exc import DBAPIError, IntegrityError, InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
@@ -59,14 +60,88 @@ def dialect_of(url: str) -> Dialect:
     )
 
 
+#: The drivers the stores run on: the engine's hot path speaks to these two itself
+#: (:mod:`ledger.hot`), and SQLAlchemy's async engine takes no other for these databases.
+_DRIVERS: dict[str, str] = {"sqlite": "aiosqlite", "postgresql": "asyncpg"}
+
+
 def normalize_url(url: str) -> str:
-    """Pick the async driver when the URL names none (``sqlite:///x`` → ``sqlite+aiosqlite``)."""
+    """Pick the async driver when the URL names none (``sqlite:///x`` → ``sqlite+aiosqlite``),
+    and refuse what would fail later at the first connection with a driver's own traceback:
+    another driver (``postgresql+psycopg2``), a port out of range, a PostgreSQL option asyncpg
+    does not take. libpq's ``sslmode`` (in the URLs hosting providers hand out) becomes
+    asyncpg's ``ssl``, which takes the same modes."""
     parsed = make_url(url)
-    if parsed.drivername == "sqlite":
-        parsed = parsed.set(drivername="sqlite+aiosqlite")
-    elif parsed.drivername in {"postgresql", "postgres"}:
-        parsed = parsed.set(drivername="postgresql+asyncpg")
+    backend, _, driver = parsed.drivername.partition("+")
+    backend = "postgresql" if backend == "postgres" else backend
+    wanted = _DRIVERS.get(backend)
+    if wanted is None:
+        return parsed.render_as_string(hide_password=False)  # dialect_of says what is wrong
+    if driver and driver != wanted:
+        raise ValueError(
+            f"{backend}+{driver}: agent-txn reaches {backend} through {wanted} "
+            f"(write {backend}:// or {backend}+{wanted}://)"
+        )
+    parsed = parsed.set(drivername=f"{backend}+{wanted}")
+    if parsed.port is not None and not 0 < parsed.port < 65536:
+        raise ValueError(f"port {parsed.port} is not a TCP port (1 to 65535)")
+    if backend == "postgresql":
+        parsed = _asyncpg_options(parsed)
     return parsed.render_as_string(hide_password=False)
+
+
+#: The PostgreSQL options a URL's query may give. asyncpg takes them as keywords, and a URL
+#: gives strings: these take strings (or are converted by asyncpg, or by SQLAlchemy's adapter:
+#: ``command_timeout``, ``prepared_statement_cache_size``); those in :data:`_PG_NUMBERS` are
+#: converted by :func:`create_engine`. asyncpg's other keywords take objects a URL cannot give
+#: (``server_settings``, a boolean ``direct_tls``), and any other key failed at the first
+#: connection with a ``TypeError``.
+_PG_OPTIONS = frozenset(
+    {
+        "host", "port", "user", "password", "database", "passfile", "service", "servicefile",
+        "ssl", "target_session_attrs", "krbsrvname", "gsslib", "command_timeout",
+        "prepared_statement_cache_size",
+    }
+)  # fmt: skip
+#: Numeric asyncpg options a URL may give, with their type: asyncpg compares them as numbers.
+_PG_NUMBERS: dict[str, type[int] | type[float]] = {
+    "timeout": float,
+    "statement_cache_size": int,
+    "max_cached_statement_lifetime": float,
+    "max_cacheable_statement_size": int,
+}
+
+
+def _asyncpg_options(parsed: URL) -> URL:
+    query = dict(parsed.query)
+    mode = query.pop("sslmode", None)
+    if mode is not None:
+        query.setdefault("ssl", mode)  # asyncpg's own name wins where both are given
+    taken = _PG_OPTIONS | set(_PG_NUMBERS)
+    for key, value in query.items():
+        if key not in taken:
+            raise ValueError(
+                f"unknown PostgreSQL connection option {key!r} in the URL (it takes: "
+                f"sslmode, {', '.join(sorted(taken))})"
+            )
+        if key in _PG_NUMBERS and _pg_number(key, value) is None:
+            raise ValueError(f"the URL's {key} must be a number >= 0, not {value!r}")
+    return parsed.set(query=query)
+
+
+def _pg_number(key: str, value: object) -> int | float | None:
+    try:
+        number = _PG_NUMBERS[key](str(value))
+    except ValueError:
+        return None
+    return number if 0 <= number < math.inf else None
+
+
+def _pg_numbers(url: str) -> dict[str, Any]:
+    """The numeric options of a normalised PostgreSQL URL, as numbers (connect arguments win
+    over the URL's strings in SQLAlchemy)."""
+    query = make_url(url).query
+    return {key: _pg_number(key, query[key]) for key in _PG_NUMBERS if key in query}
 
 
 #: PostgreSQL connections a store keeps open by default (EngineSettings.pg_pool_size).
@@ -111,10 +186,11 @@ def create_engine(
         max_overflow=pg_pool_size,
         pool_pre_ping=True,
         connect_args={
+            **_pg_numbers(url),
             "server_settings": {
                 "application_name": "agent-txn",
                 "lock_timeout": str(pg_lock_timeout_ms),
-            }
+            },
         },
     )
     _ping_in_one_round_trip(engine)
@@ -325,6 +401,8 @@ def translate(exc: BaseException) -> StorageError | None:
             return StoreBusy("lock contention")
         if exc.connection_invalidated or isinstance(exc, InterfaceError) or _is_disconnect(exc):
             return StoreUnavailable("database connection lost")
+        if _not_a_database(text):
+            return StoreUnavailable(_NOT_A_DATABASE)
         if (code or "")[:2] == "53":
             # Insufficient resources (disk full, out of memory) during a statement: the
             # statement failed, so the transaction wrote nothing; SQLAlchemy's asyncpg adapter
@@ -334,6 +412,8 @@ def translate(exc: BaseException) -> StorageError | None:
         if isinstance(exc, OperationalError):
             return StoreUnavailable("database operational error")
         return None
+    if isinstance(exc, sqlite3.DatabaseError) and _not_a_database(str(exc).lower()):
+        return StoreUnavailable(_NOT_A_DATABASE)  # raised by the inline driver, unwrapped
     if isinstance(exc, (ConnectionError, OSError)):
         return StoreUnavailable("database unreachable")
     # asyncpg raises some server errors while connecting without SQLAlchemy wrapping them.
@@ -343,6 +423,16 @@ def translate(exc: BaseException) -> StorageError | None:
         detail = f"{sqlstate}: {shortage}" if shortage else sqlstate
         return StoreUnavailable(f"database refused the connection ({detail})")
     return None
+
+
+#: What a SQLite URL that names some other file (a typo, a log, a key) is reported as. SQLite
+#: opens any file and only finds out at its first read, with an error SQLAlchemy wraps as the
+#: generic ``DatabaseError``; ``database disk image is malformed`` is a damaged one.
+_NOT_A_DATABASE = "not a SQLite database file, or a damaged one"
+
+
+def _not_a_database(text: str) -> bool:
+    return "file is not a database" in text or "database disk image is malformed" in text
 
 
 def _pg_code(exc: DBAPIError) -> str | None:
