@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Annotated, Any, Final, NoReturn, TypeVar
 
 import typer
+from pydantic import ValidationError
 from rich import box
 from rich.console import Console
 from rich.markup import escape
@@ -35,6 +36,7 @@ from ledger.errors import StorageError
 from ledger.schema import ledger as ledger_table
 from ledger.schema import transactions as transactions_table
 from ledger.store import SQLITE_WRITERS, SqliteWriter
+from orchestrator.config import MAX_POLL_SECONDS, EngineSettings
 from orchestrator.demo import (
     DemoError,
     compact_json,
@@ -190,6 +192,22 @@ def _checked_url(url: str, option: str = "--db") -> str:
     return normalized
 
 
+def engine_settings(**options: Any) -> EngineSettings:
+    """:class:`EngineSettings` from command-line options, each passed under its field's name.
+
+    A value the settings refuse (``--lease-seconds 5000`` past its 3 600, a ``--worker-id`` too
+    long) is a :class:`CliFailure` naming the option and the bound, as a usage error says it,
+    instead of pydantic's traceback. Only the validators' messages are shown, not the input.
+    """
+    try:
+        return EngineSettings(**options)
+    except ValidationError as exc:
+        reasons = "; ".join(
+            f"--{str(error['loc'][0]).replace('_', '-')}: {error['msg']}" for error in exc.errors()
+        )
+        raise CliFailure(reasons) from None
+
+
 def _checked_sqlite_writer(value: str | None) -> SqliteWriter | None:
     """``--sqlite-writer`` (or ``AGENT_TXN_SQLITE_WRITER``): ``None`` leaves the engine's
     default."""
@@ -253,9 +271,41 @@ def _root(
 # -- demo ---------------------------------------------------------------------------------------
 
 
+#: Left in the demo's folder beside its files. The demo recreates ``agent.db`` and
+#: ``provider.db`` on every run, so it deletes them first, but only where it made them: a
+#: folder without this mark may hold a real store (``agent.db`` is every other command's default
+#: ``--db``; ``--dir .`` or ``--dir ""`` named the working folder and deleted it).
+DEMO_MARK: Final = ".agent-txn-demo"
+_SQLITE_SUFFIXES: Final = ("", "-wal", "-shm", "-journal")
+
+
 def _remove_sqlite_files(path: Path) -> None:
-    for suffix in ("", "-wal", "-shm", "-journal"):
+    for suffix in _SQLITE_SUFFIXES:
         path.with_name(path.name + suffix).unlink(missing_ok=True)
+
+
+def _demo_folder(directory: Path, names: list[str]) -> Path:
+    """``directory``, made if need be and marked as the demo's, with the demo's files ``names``
+    gone. Refused (nothing deleted) where one of them is there and the folder is not marked."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        _fail(f"--dir {directory}: {exc.strerror or exc}")
+    base = directory.resolve()
+    if not (base / DEMO_MARK).is_file():
+        for name in names:
+            if any(base.joinpath(name + suffix).exists() for suffix in _SQLITE_SUFFIXES):
+                _fail(
+                    f"--dir {directory}: its {name} was not made by the demo, which would "
+                    f"delete it; give a new or empty folder"
+                )
+        try:
+            (base / DEMO_MARK).write_text("agent-txn demo: its files here are recreated\n")
+        except OSError as exc:
+            _fail(f"--dir {directory}: {exc.strerror or exc}")
+    for name in names:
+        _remove_sqlite_files(base / name)
+    return base
 
 
 @app.command()
@@ -264,7 +314,8 @@ def demo(
         Path,
         typer.Option(
             "--dir",
-            help="Where the demo's two SQLite files go (recreated on every run).",
+            help="Where the demo's two SQLite files go (recreated on every run; a folder "
+            "holding an agent.db or provider.db the demo did not make is refused).",
             file_okay=False,
         ),
     ] = Path("agent-txn-demo"),
@@ -293,18 +344,13 @@ def demo(
             "database of its own (e.g. --provider-db postgresql+asyncpg://…/agent_txn_provider)"
         )
     if db is None or provider_db is None:
-        try:
-            directory.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            _fail(f"--dir {directory}: {exc.strerror or exc}")
-        base = directory.resolve()
-    if db is None:
-        # Only files inside the demo directory are ours to delete; an explicit --db is not.
-        _remove_sqlite_files(base / "agent.db")
-        db = f"sqlite+aiosqlite:///{base / 'agent.db'}"
-    if provider_db is None:
-        _remove_sqlite_files(base / "provider.db")
-        provider_db = f"sqlite+aiosqlite:///{base / 'provider.db'}"
+        # Only the demo's own files in its folder are ours to delete; an explicit --db is not.
+        names = [
+            name for name, given in (("agent.db", db), ("provider.db", provider_db)) if not given
+        ]
+        base = _demo_folder(directory, names)
+        db = db or f"sqlite+aiosqlite:///{base / 'agent.db'}"
+        provider_db = provider_db or f"sqlite+aiosqlite:///{base / 'provider.db'}"
     if make_url(db) == make_url(provider_db):
         _fail("--db and --provider-db must be two different databases")
     report = _run(run_demo(db, provider_db, out=_stdout()))
@@ -610,7 +656,9 @@ def worker(
     concurrency: Annotated[int, typer.Option(min=1, max=1024, help="Sagas in hand.")] = 8,
     lease_seconds: Annotated[float, typer.Option(min=1, help="Lease length.")] = 30.0,
     once: Annotated[bool, typer.Option(help="Exit when nothing is due.")] = False,
-    poll_seconds: Annotated[float, typer.Option(min=0.01, help="Idle poll interval.")] = 0.5,
+    poll_seconds: Annotated[
+        float, typer.Option(min=0.01, max=MAX_POLL_SECONDS, help="Idle poll interval.")
+    ] = 0.5,
     worker_id: Annotated[str | None, typer.Option(help="Lease owner name.")] = None,
     fake_shop: Annotated[
         str | None, typer.Option(help="Serve the fake shop's providers from this database.")
@@ -624,17 +672,16 @@ def worker(
     sqlite_writer: SqliteWriterOption = None,
 ) -> None:
     """Recovery loops: resume due transactions, compensate, dispatch the outbox."""
-    from orchestrator.config import EngineSettings
     from orchestrator.workerproc import run_worker_process
 
     extra = {"worker_id": worker_id} if worker_id else {}
-    settings = EngineSettings(lease_seconds=lease_seconds, **extra)
 
-    async def job() -> Any:
-        # Validated inside _run so a bad URL is one clean line, not a traceback.
+    async def job() -> tuple[EngineSettings, Any]:
+        # Validated inside _run so a bad URL or setting is one clean line, not a traceback.
+        settings = engine_settings(lease_seconds=lease_seconds, **extra)
         shop = _checked_url(fake_shop, "--fake-shop") if fake_shop else None
         writer = _checked_sqlite_writer(sqlite_writer)
-        return await run_worker_process(
+        stats = await run_worker_process(
             _checked_url(db),
             # Only when given: unset, worker_settings keeps a worker's groups inline.
             settings=settings
@@ -647,8 +694,9 @@ def worker(
             app_ref=app_ref,
             metrics_port=metrics_port,
         )
+        return settings, stats
 
-    stats = _run(job())
+    settings, stats = _run(job())
     _stdout().print(
         f"worker {settings.worker_id}: claimed {stats.claimed}, finished {stats.finished}, "
         f"outbox {stats.events}, lease lost {stats.lease_lost}, errors {stats.errors}"

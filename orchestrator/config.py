@@ -17,6 +17,14 @@ def default_worker_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
 
 
+#: The longest lease, in seconds (``EngineSettings.lease_seconds``).
+MAX_LEASE_SECONDS = 3600.0
+#: The longest idle poll interval a worker takes (``Worker``, ``agent-txn worker
+#: --poll-seconds``): the longest lease. Its bound keeps out ``inf``, with which an idle worker
+#: would never poll again.
+MAX_POLL_SECONDS = MAX_LEASE_SECONDS
+
+
 class EngineSettings(BaseModel):
     """How the engine runs sagas. Every duration is in seconds."""
 
@@ -28,7 +36,7 @@ class EngineSettings(BaseModel):
     #: Appears as ``lease_owner`` and in the ledger.
     worker_id: str = Field(default_factory=default_worker_id, min_length=1, max_length=128)
     #: How long a claim stays ours without renewal; judged by the database clock.
-    lease_seconds: float = Field(default=30.0, gt=0, le=3600)
+    lease_seconds: float = Field(default=30.0, gt=0, le=MAX_LEASE_SECONDS)
     #: Budget of one provider call; past it the outcome is unknown, not failed.
     call_timeout_seconds: float = Field(default=10.0, gt=0, le=600)
     #: How long ``execute`` keeps reconciling an in-doubt effect before leaving it to workers.

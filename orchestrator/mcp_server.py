@@ -558,15 +558,17 @@ async def run_mcp(
     import anyio
     from mcp.server.stdio import stdio_server
 
-    from orchestrator.config import EngineSettings
+    from orchestrator import cli
     from orchestrator.engine import Orchestrator
     from orchestrator.serve import _close_all, _providers
 
     caller = session_caller(authz.authenticate_jwt(token, auth), room)
+    # Before anything opens: a refused --tenant is one line (cli.engine_settings), and nothing
+    # is left to close.
+    settings = cli.engine_settings(tenant=tenant, sqlite_writer=sqlite_writer)
     closers: list[Any] = []
     try:
         providers = await _providers(fake_shop, app_ref, closers)
-        settings = EngineSettings(tenant=tenant, sqlite_writer=sqlite_writer)
         orch = await Orchestrator.open(url, providers=providers, settings=settings)
         closers.append(orch)
         tools = McpTools(orch, caller, language=language)

@@ -178,11 +178,12 @@ async def run_server(
     import uvicorn
 
     from orchestrator import cli
-    from orchestrator.config import EngineSettings
     from orchestrator.engine import Orchestrator
     from orchestrator.http_api import create_app
     from orchestrator.uvicorn_server import SignalledServer
 
+    # Before the port is bound: a refused --tenant is one line (cli.engine_settings).
+    settings = cli.engine_settings(tenant=tenant, sqlite_writer=sqlite_writer)
     try:
         sock = _bind(host, port)
     except OSError as exc:
@@ -190,7 +191,6 @@ async def run_server(
     closers: list[Any] = []
     try:
         providers = await _providers(fake_shop, app_ref, closers)
-        settings = EngineSettings(tenant=tenant, sqlite_writer=sqlite_writer)
         orch = await Orchestrator.open(url, providers=providers, settings=settings)
         closers.append(orch)
         config = uvicorn.Config(

@@ -22,6 +22,7 @@ import structlog
 
 from ledger.errors import LeaseLost, StorageError
 from orchestrator.callback_delivery import deliver_due
+from orchestrator.config import MAX_POLL_SECONDS
 from orchestrator.driver import SagaRun
 from orchestrator.engine import Orchestrator
 
@@ -55,6 +56,10 @@ class Worker:
     ) -> None:
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
+        # A range that must hold, so NaN fails it too; inf would make an idle worker wait for
+        # ever before it polls again.
+        if not 0 < poll_seconds <= MAX_POLL_SECONDS:
+            raise ValueError(f"poll_seconds must be above 0 and at most {MAX_POLL_SECONDS:g}")
         if refill_at is not None and not 1 <= refill_at <= concurrency:
             raise ValueError("refill_at must be between 1 and concurrency")
         self.orch = orch

@@ -22,6 +22,7 @@ import pytest
 import structlog
 from rich.console import Console
 
+from orchestrator.cli import DEMO_MARK
 from orchestrator.demo import run_demo
 from orchestrator.logging import configure_logging
 from tests.conftest import DbUrls
@@ -123,6 +124,37 @@ def test_demo_leaves_two_databases(demo_dir: Path) -> None:
     # Reproducible: the second run replaced the first one's files rather than adding to them.
     with sqlite3.connect(demo_dir / "agent.db") as conn:
         assert conn.execute("SELECT count(*) FROM transactions").fetchone() == (3,)
+
+
+@pytest.mark.parametrize("name", ["agent.db", "provider.db", "agent.db-wal"])
+@pytest.mark.parametrize("folder", ["", ".", "given"])
+def test_demo_never_deletes_files_it_did_not_make(name: str, folder: str, tmp_path: Path) -> None:
+    # ``--dir ""`` and ``--dir .`` named the working folder, whose agent.db (every other
+    # command's default --db) the demo deleted and recreated.
+    (tmp_path / "given").mkdir()
+    theirs = tmp_path / (folder or ".") / name
+    theirs.write_bytes(b"a store the demo did not make")
+    run = cli("demo", "--dir", folder, cwd=tmp_path)
+    assert_clean_failure(run)
+    assert f"its {name.removesuffix('-wal')} was not made by the demo" in run.err
+    assert theirs.read_bytes() == b"a store the demo did not make"
+    assert not (tmp_path / folder / DEMO_MARK).exists()
+
+
+@pytest.mark.parametrize(
+    "command", [["status"], ["db", "upgrade"], ["worker", "--once"], ["principals", "list"]]
+)
+def test_a_file_that_is_not_a_database_is_one_clean_line(
+    command: list[str], tmp_path: Path
+) -> None:
+    # SQLite opens any file and fails at its first read with a DatabaseError that no
+    # translation knew: every command printed a traceback.
+    other = tmp_path / "notes.db"
+    other.write_text("root:x:0:0:root:/root:/bin/bash\n" * 200)
+    run = cli(*command, "--db", f"sqlite+aiosqlite:///{other}", cwd=tmp_path)
+    assert_clean_failure(run)
+    assert "not a SQLite database file, or a damaged one" in run.err
+    assert other.read_text() == "root:x:0:0:root:/root:/bin/bash\n" * 200
 
 
 def test_ledger_verify_ok(store: str, tmp_path: Path) -> None:

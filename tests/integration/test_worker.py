@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import signal
 import sys
@@ -13,6 +14,7 @@ import pytest
 from fault_injection.invariants import check_invariants
 from fault_injection.sagas import order, order_saga
 from ledger.states import TxState
+from orchestrator.config import MAX_POLL_SECONDS
 from orchestrator.crashpoints import SimulatedCrash
 from orchestrator.worker import Worker
 from tests.support.world import ONE_PASS_CALL_TIMEOUT_S, World
@@ -218,3 +220,40 @@ async def test_several_worker_processes(world: World) -> None:
     report = await check_invariants(world.urls.store, world.urls.provider)
     assert report.ok, report.violations
     assert (await world.shop.counts())["payments.charge"] == SEVERAL
+
+
+@pytest.mark.parametrize("poll_seconds", [0.0, -1.0, math.inf, math.nan, MAX_POLL_SECONDS + 1])
+async def test_a_worker_refuses_a_poll_interval_without_end(
+    world: World, poll_seconds: float
+) -> None:
+    # inf: an idle worker would wait for ever before it polled again.
+    orch = await world.engine()
+    with pytest.raises(ValueError, match="poll_seconds"):
+        Worker(orch, poll_seconds=poll_seconds)
+    assert Worker(orch, poll_seconds=MAX_POLL_SECONDS).poll_seconds == MAX_POLL_SECONDS
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        # The engine's settings refused these with pydantic's traceback.
+        (["--lease-seconds", "5000"], "error: --lease-seconds: Input should be less than or"),
+        (["--lease-seconds", "inf"], "error: --lease-seconds: Input should be less than or"),
+        (["--worker-id", "w" * 129], "error: --worker-id: String should have at most 128"),
+        # Accepted, and then an idle worker never polled again.
+        (["--poll-seconds", "inf"], "Invalid value for '--poll-seconds'"),
+    ],
+)
+def test_the_worker_command_refuses_settings_out_of_range_in_one_line(
+    args: list[str], message: str, tmp_path: Path
+) -> None:
+    from typer.testing import CliRunner
+
+    from orchestrator.cli import app
+
+    db = tmp_path / "store.db"
+    got = CliRunner().invoke(app, ["worker", "--db", f"sqlite:///{db}", "--once", *args])
+    assert got.exit_code == 2, got.output
+    assert message in got.output
+    assert "Traceback" not in got.output
+    assert not db.exists()  # refused before anything was opened
