@@ -12,7 +12,7 @@ import asyncio
 import importlib
 import inspect
 import signal
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import structlog
@@ -36,15 +36,30 @@ async def load_providers(app_ref: str) -> tuple[list[Provider], Any]:
         target: Any = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
         raise DefinitionInvalid(details={"reason": f"cannot load {app_ref}: {exc}"}) from None
-    if callable(target) and not hasattr(target, "providers"):
-        target = target()
-        if inspect.isawaitable(target):
-            target = await target
-    if hasattr(target, "providers"):
-        return list(target.providers()), target
-    if isinstance(target, Iterable):
-        return list(target), None
-    raise DefinitionInvalid(details={"reason": f"{app_ref} gives no providers"})
+    closer: Any = None
+    try:
+        if callable(target) and not hasattr(target, "providers"):
+            target = target()
+            if inspect.isawaitable(target):
+                target = await target
+        if hasattr(target, "providers"):
+            found, closer = list(target.providers()), target
+        elif isinstance(target, Iterable) and not isinstance(target, (str, bytes, Mapping)):
+            found = list(target)
+        else:
+            found = []
+    except Exception as exc:
+        # The caller's own code failed (a factory that wants arguments, a module attribute
+        # that is something else): said in one line with its reason, as a bad name is.
+        reason = f"loading providers from {app_ref} failed: {type(exc).__name__}: {exc}"
+        raise DefinitionInvalid(details={"reason": reason}) from None
+    strangers = [item for item in found if not isinstance(item, Provider)]
+    if not found or strangers:
+        what = f"{type(strangers[0]).__name__} {strangers[0]!r:.60}" if strangers else "nothing"
+        raise DefinitionInvalid(
+            details={"reason": f"{app_ref} gives no providers (it gave {what})"}
+        )
+    return found, closer
 
 
 #: Connections a worker needs beyond one per saga in hand: its claim pass and its callbacks.
@@ -205,7 +220,14 @@ async def _serve(
         closers.append(orch)
         await warn_if_short_of_connections(orch, concurrency)
         if metrics_port is not None:
-            orch.metrics.serve(metrics_port)
+            try:
+                orch.metrics.serve(metrics_port)
+            except OSError as exc:
+                # Said as the port's problem: as an OSError it read "database unreachable".
+                from orchestrator.cli import CliFailure
+
+                reason = exc.strerror or str(exc)
+                raise CliFailure(f"--metrics-port {metrics_port}: {reason}") from None
         worker = Worker(orch, concurrency=concurrency, poll_seconds=poll_seconds)
         stop.attach(worker)
         return await worker.run(once=once)
