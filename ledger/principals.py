@@ -31,6 +31,9 @@ from ledger.store import Work
 
 #: ``grants.action`` value that covers every action of the provider.
 ANY_ACTION = "*"
+#: The largest cap ``grants.max_amount`` holds: a signed 64-bit ``BIGINT`` on both backends
+#: (SQLite's INTEGER too). A larger one failed in the driver, with the statement in the error.
+MAX_AMOUNT = 2**63 - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,6 +255,8 @@ async def grant(
     """
     if permission not in PERMISSIONS:
         raise ValueError(f"permission must be one of {', '.join(PERMISSIONS)}, not {permission!r}")
+    if max_amount is not None and not 0 <= max_amount <= MAX_AMOUNT:
+        raise ValueError(f"max_amount must be from 0 to {MAX_AMOUNT}")
     fields = None if readable_fields is None else sorted(set(readable_fields))
     stmt = _insert(work.store.dialect, grants).values(
         grant_id=uuid.uuid4().hex,

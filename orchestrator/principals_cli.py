@@ -323,7 +323,10 @@ def grant(
         PermissionChoice, typer.Option("--permission", help="What the grant allows.")
     ] = PermissionChoice.execute,
     max_amount: Annotated[
-        int | None, typer.Option("--max-amount", min=0, help="Cap on the payload's amount.")
+        int | None,
+        typer.Option(
+            "--max-amount", min=0, max=repo.MAX_AMOUNT, help="Cap on the payload's amount."
+        ),
     ] = None,
     amount_field: Annotated[
         str | None, typer.Option("--amount-field", help="Payload key the cap applies to.")
@@ -337,6 +340,8 @@ def grant(
     """Grant a permission on a provider action (granting again replaces cap and fields)."""
     _checked(provider, "PROVIDER", 100)
     _checked(action, "ACTION", 100)
+    for field in readable or ():
+        _checked(field, "--readable", 100)  # an empty or space-padded name was stored as given
     if amount_field is not None:
         _checked(amount_field, "--amount-field", 100)
         if max_amount is None:

@@ -231,6 +231,10 @@ def test_unknown_ids_are_one_clean_line(db: str, args: list[str], message: str) 
         (["grant", "u1", "shop", "charge", "--permission", "admin"], "--permission"),
         (["grant", "u1", "shop", "charge", "--amount-field", "cents"], "--amount-field"),
         (["grant", "u1", "shop", "charge", "--max-amount", "-1"], "--max-amount"),
+        # Past the BIGINT column: the driver's OverflowError (or the statement) before.
+        (["grant", "u1", "shop", "charge", "--max-amount", str(2**63)], "--max-amount"),
+        (["grant", "u1", "shop", "charge", "--readable", ""], "--readable"),
+        (["grant", "u1", "shop", "charge", "--readable", " total"], "--readable"),
         (["join", "u1", "room-1", "--language", "fr"], "--language"),
         (["token", "u1", "--secret", "too-short"], "--secret"),
     ],
