@@ -107,16 +107,19 @@ class CliFailure(Exception):
 
 def _stdout() -> Console:
     # Built per call, not at import: test runners swap sys.stdout after this module is loaded.
-    console = Console(highlight=False)
+    # emoji=False: rich would draw ":x:" in an id, a reason or a module name as an emoji.
+    console = Console(highlight=False, emoji=False)
     if not console.is_terminal and "COLUMNS" not in os.environ:
         # Piped into a file or CI log, rich would wrap at 80 columns and split remote ids
         # and ledger details; a log has no edge to fit.
-        console = Console(highlight=False, width=140)
+        console = Console(highlight=False, emoji=False, width=140)
     return console
 
 
 def _fail(message: str, code: int = EXIT_USAGE) -> NoReturn:
-    Console(stderr=True, highlight=False).print(f"error: {escape(message)}", soft_wrap=True)
+    Console(stderr=True, highlight=False, emoji=False).print(
+        f"error: {escape(message)}", soft_wrap=True
+    )
     raise typer.Exit(code)
 
 

@@ -21,9 +21,12 @@ from typing import Any, Final
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
-from sqlalchemy import func, select
+from sqlalchemy import func, inspect, select
 from sqlalchemy.engine import make_url
+from sqlalchemy.ext.asyncio import create_async_engine
+from sqlalchemy.pool import NullPool
 
+from ledger.dialects import normalize_url, translate
 from ledger.events import LedgerEntry
 from ledger.schema import transactions as transactions_table
 from ledger.states import TxState
@@ -32,6 +35,7 @@ from orchestrator.engine import Orchestrator
 from orchestrator.expressions import concat, ref
 from orchestrator.saga import Compensation, Event, Input, Saga, Step
 from orchestrator.views import TransactionView
+from providers.fake import schema as shop_schema
 from providers.fake.faults import FaultKind, FaultRule
 from providers.fake.shop import COUNTED_ACTIONS, FakeShop
 
@@ -239,6 +243,7 @@ async def run_demo(
 ) -> DemoReport:
     """Run the demo orders against fresh databases, printing as it goes; returns the report."""
     report = DemoReport(store=_where(store_url), provider=_where(provider_url))
+    await _require_empty_provider(provider_url)
     shop = await FakeShop.open(provider_url)
     try:
         await shop.seed_stock({SKU: STOCK})
@@ -287,6 +292,38 @@ async def _require_empty(orch: Orchestrator) -> None:
         raise DemoError(
             f"the demo needs an empty agent-txn database; this one already holds {existing} "
             "transaction(s) (use a fresh --db / --provider-db, or omit them to use --dir)"
+        )
+
+
+async def _require_empty_provider(url: str) -> None:
+    """Refuse a provider database that holds anything: opening the shop writes its tables and
+    stock there (into the agent-txn database itself when ``--provider-db`` named it), and its
+    earlier effects would be counted as the demo's."""
+    engine = create_async_engine(normalize_url(url), poolclass=NullPool)
+    try:
+        async with engine.connect() as conn:
+            tables = set(await conn.run_sync(lambda sync: inspect(sync).get_table_names()))
+            others = sorted(tables - set(shop_schema.metadata.tables))
+            effects = 0
+            if not others and shop_schema.effects.name in tables:
+                query = select(func.count()).select_from(shop_schema.effects)
+                effects = (await conn.execute(query)).scalar_one()
+    except Exception as exc:
+        translated = translate(exc)
+        if translated is None:
+            raise
+        raise translated from None
+    finally:
+        await engine.dispose()
+    if others:
+        raise DemoError(
+            f"the demo needs a provider database of its own; this one holds other tables "
+            f"({', '.join(others[:3])}{', ...' if len(others) > 3 else ''})"
+        )
+    if effects:
+        raise DemoError(
+            f"the demo needs an empty provider database; this one already holds {effects} "
+            "effect(s) (use a fresh --provider-db, or omit it to use --dir)"
         )
 
 

@@ -119,6 +119,11 @@ def _auth_settings(
             values["jwt_public_key"] = public_key_file.read_text()
         except OSError as exc:
             raise cli.CliFailure(f"--jwt-public-key-file: {exc.strerror or exc}") from None
+        except UnicodeDecodeError:
+            # A DER key or some other binary file: the key must be PEM text.
+            raise cli.CliFailure(
+                "--jwt-public-key-file: not a PEM text file (a binary file, such as a DER key)"
+            ) from None
         values["jwt_algorithm"] = "RS256"
     elif secret is not None:
         values["jwt_secret"] = secret
@@ -188,6 +193,9 @@ async def run_server(
         sock = _bind(host, port)
     except OSError as exc:
         raise cli.CliFailure(f"cannot serve on {host}:{port}: {exc.strerror or exc}") from None
+    except UnicodeError:
+        # getaddrinfo encodes a name with IDNA first, which refuses a label over 63 characters.
+        raise cli.CliFailure(f"cannot serve on {host}:{port}: not a valid host name") from None
     closers: list[Any] = []
     try:
         providers = await _providers(fake_shop, app_ref, closers)

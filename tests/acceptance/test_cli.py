@@ -19,11 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import sqlalchemy
 import structlog
 from rich.console import Console
 
+from ledger.dialects import create_engine
 from orchestrator.cli import DEMO_MARK
-from orchestrator.demo import run_demo
+from orchestrator.demo import DemoError, run_demo
 from orchestrator.logging import configure_logging
 from tests.conftest import DbUrls
 
@@ -214,6 +216,16 @@ def test_ledger_show_unknown_tx(store: str, tmp_path: Path) -> None:
     assert "transaction_not_found" in run.err
 
 
+def test_an_id_is_printed_as_given_not_as_an_emoji(store: str, tmp_path: Path) -> None:
+    # rich drew ":x:" as a cross mark, in an error line and in a module name alike.
+    run = cli("ledger", "show", ":x:", "--db", store, cwd=tmp_path)
+    assert_clean_failure(run)
+    assert '{"tx_id":":x:"}' in run.err
+    app = cli("worker", "--once", "--app", "no_such_module:x", "--db", store, cwd=tmp_path)
+    assert_clean_failure(app)
+    assert "cannot load no_such_module:x" in app.err
+
+
 def test_ledger_verify_unknown_tx(store: str, tmp_path: Path) -> None:
     assert_clean_failure(cli("ledger", "verify", "--db", store, "--tx", "nope", cwd=tmp_path))
 
@@ -339,7 +351,31 @@ async def test_demo_on_both_backends(db_urls: DbUrls, tmp_path: Path) -> None:
         # A database the user named is never wiped: a second run is refused, not merged.
         again = await asyncio.to_thread(cli, *args, cwd=tmp_path)
         assert_clean_failure(again)
-        assert "needs an empty agent-txn database" in again.err
+        assert "needs an empty provider database" in again.err  # checked first
+
+
+async def test_the_demo_refuses_a_provider_database_that_holds_anything(
+    db_urls: DbUrls, tmp_path: Path
+) -> None:
+    quiet = Console(file=io.StringIO())
+    assert (await run_demo(db_urls.store, db_urls.provider, out=quiet)).ok
+    # --provider-db naming the agent-txn database: the shop wrote its tables and stock there.
+    with pytest.raises(DemoError, match=r"holds other tables \(action_settings, "):
+        await run_demo(db_urls.store, db_urls.store, out=quiet)
+    engine = create_engine(db_urls.store)
+    try:
+        async with engine.connect() as conn:
+            tables = await conn.run_sync(lambda sync: sqlalchemy.inspect(sync).get_table_names())
+    finally:
+        await engine.dispose()
+    assert "effects" not in tables and "stock" not in tables
+    # The shop's own database after a run: its effects would be counted as the next run's.
+    with pytest.raises(DemoError, match="already holds 9 effect"):
+        await run_demo(db_urls.store, db_urls.provider, out=quiet)
+    # A fresh provider database, and the store of the first run: refused for the store.
+    fresh = f"sqlite+aiosqlite:///{tmp_path / 'fresh-provider.db'}"
+    with pytest.raises(DemoError, match="needs an empty agent-txn database; this one already"):
+        await run_demo(db_urls.store, fresh, out=quiet)
 
 
 async def test_run_demo_report(db_urls: DbUrls) -> None:

@@ -216,3 +216,31 @@ def test_serve_on_a_taken_port_is_one_error_line(databases: tuple[str, str]) -> 
     assert done.returncode == 2, done.stderr
     assert done.stderr.startswith(f"error: cannot serve on 127.0.0.1:{port}"), done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("option", "error"),
+    [
+        # getaddrinfo's IDNA encoding refuses a label over 63 characters: UnicodeError.
+        (["--host", "a" * 70], "error: cannot serve on " + "a" * 70 + ":0: not a valid host name"),
+        # A DER key (or any binary file) failed to decode as text: UnicodeDecodeError.
+        (["--jwt-public-key-file", sys.executable], "error: --jwt-public-key-file: not a PEM"),
+    ],
+)
+def test_serve_refuses_a_host_or_key_file_it_cannot_read_in_one_line(
+    databases: tuple[str, str], option: list[str], error: str
+) -> None:
+    db, _ = databases
+    secret = {} if option[0] == "--jwt-public-key-file" else {"AGENT_TXN_JWT_SECRET": SECRET}
+    done = subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli", "serve", "--db", db, "--port", "0", *option],
+        cwd=REPO,
+        env=_env(**secret),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith(error), done.stderr
+    assert "Traceback" not in done.stderr

@@ -257,3 +257,22 @@ def test_the_worker_command_refuses_settings_out_of_range_in_one_line(
     assert message in got.output
     assert "Traceback" not in got.output
     assert not db.exists()  # refused before anything was opened
+
+
+def test_a_metrics_port_in_use_is_said_as_the_ports_problem(tmp_path: Path) -> None:
+    import socket
+
+    from typer.testing import CliRunner
+
+    from orchestrator.cli import app
+
+    db = f"sqlite:///{tmp_path / 'store.db'}"
+    assert CliRunner().invoke(app, ["db", "upgrade", "--db", db]).exit_code == 0
+    with socket.socket() as taken:
+        taken.bind(("", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        got = CliRunner().invoke(app, ["worker", "--db", db, "--once", "--metrics-port", str(port)])
+    assert got.exit_code == 2, got.output
+    # An OSError, it was read as the store's: "StoreUnavailable: database unreachable".
+    assert f"error: --metrics-port {port}: Address already in use" in got.output
