@@ -90,11 +90,19 @@ async def resolve(
     hand the transaction back to the workers; returns its status afterwards."""
     if as_state not in (EffectState.CONFIRMED.value, EffectState.FAILED.value):
         raise IdentifierInvalid("--as must be confirmed or failed", details={"field": "as"})
-    if not reason.strip() or not operator.strip():
-        raise IdentifierInvalid(
-            "a reason and an operator are required", details={"field": "reason"}
-        )
+    for field, given in (("reason", reason), ("operator", operator)):
+        if not given.strip():
+            raise IdentifierInvalid(
+                "a reason and an operator are required", details={"field": field}
+            )
     to_state = EffectState(as_state)
+    if remote_id is not None and to_state is EffectState.FAILED:
+        # A failed effect has no provider id; recording the decision without it would drop
+        # what the operator typed without a word.
+        raise IdentifierInvalid(
+            "--remote-id names the provider's effect: give it with --as confirmed only",
+            details={"field": "remote_id"},
+        )
     view = await orch.get(tx_id)
     candidates = [
         e

@@ -121,3 +121,28 @@ async def test_resolving_something_not_parked_is_refused(world: World) -> None:
         "ana",
     )
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
+
+
+@pytest.mark.parametrize(
+    ("extra", "field"),
+    [
+        (["--as", "failed", "--reason", "x", "--operator", ""], "operator"),  # said "reason"
+        (["--as", "confirmed", "--reason", " ", "--operator", "ana"], "reason"),
+        # A failed effect has no provider id: the id was dropped without a word.
+        (
+            ["--as", "failed", "--reason", "x", "--operator", "ana", "--remote-id", "ch_1"],
+            "remote_id",
+        ),
+    ],
+)
+async def test_a_decision_with_a_missing_or_stray_field_names_it_and_changes_nothing(
+    world: World, extra: list[str], field: str
+) -> None:
+    tx_id = await _park(world)
+    before = await world.orch.get(tx_id)
+    done = _cli(world, "review", "resolve", tx_id, "--op", "charge", *extra)
+    assert done.returncode == 2, done.stderr
+    assert f'"field":"{field}"' in done.stderr and "Traceback" not in done.stderr
+    after = await world.orch.get(tx_id)
+    assert after.tx.status is TxState.MANUAL_REVIEW
+    assert after.operations == before.operations  # the charge still parked, as it was
