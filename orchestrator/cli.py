@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import sys
 from collections.abc import Coroutine
 from pathlib import Path
 from typing import Annotated, Any, Final, NoReturn, TypeVar
@@ -116,10 +117,14 @@ def _stdout() -> Console:
     return console
 
 
-def _fail(message: str, code: int = EXIT_USAGE) -> NoReturn:
+def _say_error(message: str) -> None:
     Console(stderr=True, highlight=False, emoji=False).print(
         f"error: {escape(message)}", soft_wrap=True
     )
+
+
+def _fail(message: str, code: int = EXIT_USAGE) -> NoReturn:
+    _say_error(message)
     raise typer.Exit(code)
 
 
@@ -721,8 +726,22 @@ def load_plugins() -> None:
             app.add_typer(ep.load(), name=ep.name)
 
 
+def _refuse_undecodable_arguments(arguments: list[str]) -> None:
+    """One line for an argument that is not UTF-8. Python keeps such bytes as lone surrogates,
+    which no store can hold: ids and names failed deep in the driver with a traceback."""
+    for position, argument in enumerate(arguments, start=1):
+        try:
+            argument.encode("utf-8")
+        except UnicodeEncodeError:
+            shown = repr(os.fsencode(argument))[2:-1]  # the bytes as given: \xff\xfe
+            _say_error(f"argument {position} ({shown}) is not valid UTF-8 text")
+            # Not typer.Exit: this runs before the app, which is what turns it into a code.
+            raise SystemExit(EXIT_USAGE) from None
+
+
 def main() -> None:
     """Entry point of the ``agent-txn`` console script."""
+    _refuse_undecodable_arguments(sys.argv[1:])
     load_plugins()
     app()
 

@@ -226,6 +226,19 @@ def test_an_id_is_printed_as_given_not_as_an_emoji(store: str, tmp_path: Path) -
     assert "cannot load no_such_module:x" in app.err
 
 
+@pytest.mark.parametrize(
+    "args", [["ledger", "show", "\udcff\udcfe"], ["principals", "add", "\udcff", "--name", "x"]]
+)
+def test_an_argument_that_is_not_utf8_is_one_line(
+    store: str, args: list[str], tmp_path: Path
+) -> None:
+    # Bytes that are not UTF-8 (\xff\xfe on the command line) reached the store as lone
+    # surrogates and failed in the driver with a traceback.
+    run = cli(*args, "--db", store, cwd=tmp_path)
+    assert_clean_failure(run)
+    assert "is not valid UTF-8 text" in run.err and "\\xff" in run.err
+
+
 def test_ledger_verify_unknown_tx(store: str, tmp_path: Path) -> None:
     assert_clean_failure(cli("ledger", "verify", "--db", store, "--tx", "nope", cwd=tmp_path))
 
