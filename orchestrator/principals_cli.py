@@ -464,11 +464,20 @@ def token(
         )
     if room is not None:
         _checked(room, "--room", 64)
+    for hint, claim in (("--audience", audience), ("--issuer", issuer)):
+        if claim is not None:
+            _checked(claim, hint, 256)  # an empty aud or iss matches no server's setting
 
     async def job(store: Store) -> repo.PrincipalRow:
         return await _require_principal(store, principal_id)
 
     row = _run(db, job)
+    if row.disabled or row.deleted_at is not None:
+        # Every request with it would be refused (authz.load_caller): say so now, not there.
+        state = "disabled" if row.disabled else "deleted"
+        from orchestrator import cli
+
+        cli._fail(f"principal {principal_id!r} is {state}: its tokens would be refused")
     now = int(time.time())
     claims: dict[str, Any] = {
         "sub": row.principal_id,

@@ -237,6 +237,8 @@ def test_unknown_ids_are_one_clean_line(db: str, args: list[str], message: str) 
         (["grant", "u1", "shop", "charge", "--readable", " total"], "--readable"),
         (["join", "u1", "room-1", "--language", "fr"], "--language"),
         (["token", "u1", "--secret", "too-short"], "--secret"),
+        (["token", "u1", "--secret", "s" * 32, "--audience", ""], "--audience"),
+        (["token", "u1", "--secret", "s" * 32, "--issuer", " x"], "--issuer"),
     ],
 )
 def test_bad_values_are_usage_errors(tmp_path: Path, args: list[str], blamed: str) -> None:
@@ -246,6 +248,15 @@ def test_bad_values_are_usage_errors(tmp_path: Path, args: list[str], blamed: st
     assert "Traceback" not in result.stderr
     assert blamed in result.stderr
     assert not (tmp_path / "agent.db").exists()  # refused before touching the database
+
+
+@pytest.mark.parametrize("state", ["disable", "delete"])
+def test_no_token_for_a_principal_every_request_would_refuse(db: str, state: str) -> None:
+    pc(db, "add", "u1", "--kind", "user", "--name", "Ann")
+    assert pc(db, "token", "u1", "--secret", SECRET).count(".") == 2  # a JWT while it is live
+    pc(db, state, "u1")
+    line = clean_failure(prun(db, "token", "u1", "--secret", SECRET))
+    assert line == f"error: principal 'u1' is {state}d: its tokens would be refused"
 
 
 def test_missing_database_is_not_created(tmp_path: Path) -> None:
