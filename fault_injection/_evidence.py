@@ -26,7 +26,7 @@ from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import Table, event, select, text
+from sqlalchemy import Table, event, inspect, select, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
@@ -294,6 +294,24 @@ def _provider_engine(url: str) -> AsyncEngine:
             pool_pre_ping=True,
         )
     raise ValueError(f"unsupported provider database {backend!r}")
+
+
+#: The fake shop's tables the checker reads (:func:`_load_provider`), and two of ours.
+SHOP_TABLES: frozenset[str] = frozenset(
+    t.name for t in (shop.effects, shop.calls, shop.reservations, shop.charges)
+)
+OUR_TABLES: frozenset[str] = frozenset({transactions_table.name, ledger.name})
+
+
+async def table_names(url: str) -> set[str]:
+    """The tables of the database ``url`` names, read as the checker reads (read-only), so that
+    a pair given the wrong way round can be told before a query fails on a missing table."""
+    engine = _provider_engine(url)
+    try:
+        async with engine.connect() as conn:
+            return set(await conn.run_sync(lambda sync: inspect(sync).get_table_names()))
+    finally:
+        await engine.dispose()
 
 
 def _decode(row: dict[str, Any], *names: str) -> dict[str, Any]:

@@ -51,7 +51,7 @@ from fault_injection.bench import (
     run_bench,
 )
 from fault_injection.bench_environment import describe, memory_files_note, one_line
-from fault_injection.cli import FreshDatabasesOption
+from fault_injection.cli import MAX_SAGAS, FreshDatabasesOption
 from fault_injection.harness import scratch_folder
 from fault_injection.steal import (
     ALIKE_STEAL_POINTS,
@@ -87,6 +87,9 @@ SWEEP_DRIVER_SECONDS = 0.1
 MAX_LATENCY_MS = 5_000.0
 #: The longest ``--driver-seconds`` (``inf`` ran the driver loop for ever).
 MAX_DRIVER_SECONDS = 60.0
+#: The most ``--warmup`` sagas (it had no bound, and a typo ran for ever before measuring).
+#: A warm-up fills the caches and the pool; a few hundred sagas do, this many is generous.
+MAX_WARMUP = 100_000
 
 app = typer.Typer(
     help="Benchmark the order saga end to end.",
@@ -171,7 +174,7 @@ def _usage(out: Console, message: str) -> typer.Exit:
 @app.callback()
 def bench(
     db: FreshDatabasesOption = None,
-    sagas: Annotated[int, typer.Option(min=1, help="Measured sagas.")] = 1000,
+    sagas: Annotated[int, typer.Option(min=1, max=MAX_SAGAS, help="Measured sagas.")] = 1000,
     concurrency: Annotated[
         str,
         typer.Option(
@@ -194,7 +197,12 @@ def bench(
         ),
     ] = 0.0,
     warmup: Annotated[
-        int, typer.Option(min=0, help="Sagas run before measuring (per worker with --workers).")
+        int,
+        typer.Option(
+            min=0,
+            max=MAX_WARMUP,
+            help="Sagas run before measuring (per worker with --workers).",
+        ),
     ] = 20,
     json_path: Annotated[
         Path | None, typer.Option("--json", help="Write the results as JSON to PATH.")

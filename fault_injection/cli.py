@@ -21,6 +21,8 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
+import tempfile
 import time
 from collections.abc import Callable, Coroutine
 from fnmatch import fnmatchcase
@@ -40,6 +42,15 @@ app = typer.Typer(
     help="Fault-injection suite: crashes, provider faults, races.", no_args_is_help=True
 )
 SUITES = ("seed", "faults", "concurrency", "matrix", "random", "all")
+
+
+#: The most sagas ``fleet`` and ``bench`` take. Why a bound: the option had none, and a typo
+#: of a few digits too many started a run that never ended (prepared in the database, too).
+#: At the bench's one to a few thousand sagas a second, this many take hours.
+MAX_SAGAS = 10_000_000
+#: ``fleet`` gives up waiting for its sagas after this many seconds; a ``--kill-one-after``
+#: or ``--restart-after`` later than that (``inf`` was accepted) could never happen.
+FLEET_DEADLINE_S = 3600.0
 
 
 #: ``--db`` of the commands that make fresh databases for each run (:func:`checked_scratch`).
@@ -90,6 +101,18 @@ def checked_scratch(url: str | None) -> None:
         )
     if not os.access(folder, os.W_OK | os.X_OK):
         _refuse(f"--db: cannot make the run's SQLite files in {folder} (no write permission)")
+    # A folder may say it is writable and still refuse new entries (/proc and /sys, a read-only
+    # mount, seen by root): make what the run makes there, a folder with a file in it, and
+    # remove it again. Else the run failed on it with a traceback (run, replay) or as
+    # "database unreachable" (bench, fleet).
+    try:
+        probe = Path(tempfile.mkdtemp(prefix=".agent-txn-probe-", dir=folder))
+        try:
+            (probe / "probe.db").touch()
+        finally:
+            shutil.rmtree(probe, ignore_errors=True)
+    except OSError as exc:
+        _refuse(f"--db: cannot make the run's SQLite files in {folder}: {exc.strerror or exc}")
 
 
 def prepared_output(path: Path | None, option: str) -> None:
@@ -314,7 +337,8 @@ def _check_run_options(
     if "matrix" in chosen and "random" in chosen:
         _refuse("--only picks one matrix cell or one random index: give --suite matrix or random")
     if "random" in chosen:
-        if not only.isdigit():
+        # Not str.isdigit(): it admits superscripts and other digits int() then refuses.
+        if not (only.isascii() and only.isdigit()):
             _refuse(f"--only: a random schedule's index is a number from 0, not {only!r}")
     elif "matrix" in chosen:
         if not any(fnmatchcase(cell.name, only) for cell in cells):
@@ -457,12 +481,38 @@ def check(
     """Run the invariant checker over an existing pair of databases."""
     checked_db(db, must_exist=True)
     checked_db(provider_db, "--provider-db", must_exist=True)
-    from fault_injection.invariants import check_invariants
+    from fault_injection.invariants import CheckReport, check_invariants
+
+    async def job() -> CheckReport:
+        await _check_pair(normalize_url(db), normalize_url(provider_db))
+        return await check_invariants(db, provider_db, require_settled=settled)
 
     out = _console()
-    report = run_job(check_invariants(db, provider_db, require_settled=settled))
+    report = run_job(job())
     out.print(json.dumps(report.to_json(), indent=2, default=str))
     raise typer.Exit(0 if report.ok else 1)
+
+
+async def _check_pair(db: str, provider_db: str) -> None:
+    """Refuse, in one line, a ``--provider-db`` without the fake shop's tables (the checker's
+    first query failed on it: a driver traceback on PostgreSQL, "database operational error"
+    on SQLite), and say so when the two URLs were given the wrong way round."""
+    from fault_injection._evidence import OUR_TABLES, SHOP_TABLES, table_names
+    from orchestrator.cli import CliFailure
+
+    theirs = await table_names(provider_db)
+    missing = SHOP_TABLES - theirs
+    if not missing:
+        return
+    if theirs.issuperset(OUR_TABLES) and (await table_names(db)).issuperset(SHOP_TABLES):
+        raise CliFailure(
+            "--db and --provider-db are the wrong way round: --provider-db holds agent-txn's "
+            "tables and --db the fake shop's"
+        )
+    raise CliFailure(
+        f"--provider-db has no fake-shop tables ({', '.join(sorted(missing))}): give the "
+        "database the fake provider wrote to"
+    )
 
 
 def _check_fleet_options(
@@ -505,13 +555,17 @@ def _check_restartable(db: str | None, option: str) -> None:
 @app.command("fleet")
 def fleet(
     db: FreshDatabasesOption = None,
-    sagas: Annotated[int, typer.Option(min=1, help="In-doubt sagas to recover.")] = 1000,
+    sagas: Annotated[
+        int, typer.Option(min=1, max=MAX_SAGAS, help="In-doubt sagas to recover.")
+    ] = 1000,
     workers: Annotated[int, typer.Option(min=1, max=64, help="Worker processes.")] = 4,
     kill_one_after: Annotated[
-        float | None, typer.Option(min=0, help="SIGKILL a worker after S s.")
+        float | None,
+        typer.Option(min=0, max=FLEET_DEADLINE_S, help="SIGKILL a worker after S s."),
     ] = None,
     restart_after: Annotated[
-        float | None, typer.Option(min=0, help="Restart the local PostgreSQL after S s.")
+        float | None,
+        typer.Option(min=0, max=FLEET_DEADLINE_S, help="Restart the local PostgreSQL after S s."),
     ] = None,
     faults: Annotated[str, typer.Option(help="kind:provider.action:skip:times,…")] = "",
 ) -> None:
@@ -535,7 +589,7 @@ def fleet(
                         kill_one_after=kill_one_after,
                         restart_after=restart_after,
                         faults=faults,
-                        deadline_seconds=3600,
+                        deadline_seconds=FLEET_DEADLINE_S,
                     )
                 finally:
                     await harness.close()

@@ -97,6 +97,13 @@ STALE_CALL_TIMEOUT_S: Final = 10.0
 #: Bounds that keep one broken schedule from stalling a soak of thousands.
 DRAIN_TIMEOUT_S: Final = 10.0
 SCHEDULE_TIMEOUT_S: Final = 60.0
+#: The most rounds and recovery workers a saved schedule may ask for. Why bounds: ``replay``
+#: read any integer; ``"rounds": 100000000000000000000`` ran into SCHEDULE_TIMEOUT_S (a FAIL
+#: that was not the schedule's), and as many workers never ended. The generator draws 1 or 2
+#: rounds; each round only moves the clocks ROUND_ADVANCE_S further, and a round may take
+#: DRAIN_TIMEOUT_S. Workers as many as ``fault-inject run --workers`` takes.
+MOST_ROUNDS: Final = 10
+MOST_WORKERS: Final = 64
 #: Rounds after the schedule's own, granted only to replace workers that died or to absorb a
 #: released stale holder.
 MAX_ROUNDS: Final = 4
@@ -301,11 +308,11 @@ def schedule_from_json(data: Mapping[str, Any] | str | bytes) -> Schedule:
             faults=faults,
             crash=crash,
             workers=_int(raw.get("workers", 1), "workers"),
-            budget_s=float(raw.get("budget_s", 0.0)),
+            budget_s=_float(raw.get("budget_s", 0.0), "budget_s"),
             pause=pause,
             rounds=_int(raw.get("rounds", 1), "rounds"),
             aged=bool(raw.get("aged", False)),
-            call_timeout_s=float(raw.get("call_timeout_s", CALL_TIMEOUT_S)),
+            call_timeout_s=_float(raw.get("call_timeout_s", CALL_TIMEOUT_S), "call_timeout_s"),
             max_workers=_int(raw.get("max_workers", 4), "max_workers"),
         )
     except KeyError as exc:
@@ -320,6 +327,12 @@ def _int(value: Any, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"schedule field {name!r} must be an integer")
     return value
+
+
+def _float(value: Any, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"schedule field {name!r} must be a number")
+    return float(value)
 
 
 def _saga_from(raw: Mapping[str, Any]) -> SagaSpec:
@@ -369,10 +382,21 @@ def _validate(s: Schedule) -> None:
         raise ValueError("a schedule needs at least one saga")
     if len(set(s.tx_ids)) != len(s.tx_ids):
         raise ValueError("tx ids of a schedule must be distinct")
-    if not 1 <= s.workers <= max(s.max_workers, 1):
+    if not 1 <= s.max_workers <= MOST_WORKERS:
+        raise ValueError(f"max_workers must be in 1..{MOST_WORKERS}, not {s.max_workers}")
+    if not 1 <= s.workers <= s.max_workers:
         raise ValueError(f"workers must be in 1..{s.max_workers}, not {s.workers}")
-    if s.rounds < 1 or s.budget_s < 0 or s.call_timeout_s <= 0:
-        raise ValueError("rounds must be >= 1, budget_s >= 0 and call_timeout_s > 0")
+    if not 1 <= s.rounds <= MOST_ROUNDS:
+        raise ValueError(f"rounds must be in 1..{MOST_ROUNDS}, not {s.rounds}")
+    # Written as ranges that must hold, so that NaN (which JSON's loader takes) fails them too.
+    # Past SCHEDULE_TIMEOUT_S a budget or a call only waits for the schedule to be cut.
+    limit = SCHEDULE_TIMEOUT_S
+    if not 0 <= s.budget_s <= limit:
+        raise ValueError(f"budget_s must be from 0 to {limit:g} s, not {s.budget_s}")
+    if not 0 < s.call_timeout_s <= limit:
+        raise ValueError(
+            f"call_timeout_s must be above 0 and at most {limit:g} s, not {s.call_timeout_s}"
+        )
     if s.crash is not None:
         if s.crash.point not in POINTS:
             raise ValueError(f"unknown crash point {s.crash.point!r}")

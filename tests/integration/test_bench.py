@@ -893,3 +893,20 @@ def test_the_alike_pairs_line_says_when_no_pair_was_alike_and_spans_several() ->
     assert bench_cli._alike_steal_line(several).endswith(
         ": their median ratio 10.00x (9.00x to 11.00x)"
     )
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        # Neither had an upper bound: a typo of a few digits ran for ever.
+        ("--sagas", "99999999999999999999"),
+        ("--sagas", str(bench_cli.MAX_SAGAS + 1)),
+        ("--warmup", "99999999999999999999"),
+        ("--warmup", str(bench_cli.MAX_WARMUP + 1)),
+    ],
+)
+def test_bench_cli_refuses_a_run_without_end(option: str, value: str) -> None:
+    got = CliRunner().invoke(app, [option, value])
+    assert got.exit_code == 2, got.output
+    assert f"Invalid value for '{option}'" in got.output
+    assert "Traceback" not in got.output

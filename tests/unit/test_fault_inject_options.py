@@ -9,11 +9,15 @@ worker killed waited an hour for sagas nobody could settle.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 from typer.testing import CliRunner
 
 from fault_injection import cli
 from fault_injection.faulty_shop import parse_faults
+from fault_injection.schedules import generate
 
 
 @pytest.fixture
@@ -167,3 +171,96 @@ def test_a_server_this_process_can_restart_is_accepted(
     )
     assert got.exit_code == 0, got.output
     assert nothing_runs == ["concurrency"]
+
+
+@pytest.mark.parametrize("only", ["²", "١٢", "3²"])
+def test_only_takes_ascii_digits_alone(only: str, nothing_runs: list[str]) -> None:
+    """str.isdigit() admits superscripts and other scripts' digits, which int() then refused
+    with a traceback; they are refused as any other index that is not a number."""
+    got = CliRunner().invoke(cli.app, ["run", "--suite", "random", "--only", only])
+    assert got.exit_code == 2, got.output
+    assert got.output.startswith("error: --only: a random schedule's index is a number")
+    assert nothing_runs == []
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc and /sys")
+@pytest.mark.parametrize("folder", ["/proc", "/sys"])
+@pytest.mark.parametrize("command", [["run", "--suite", "random", "--only", "0"], ["replay"]])
+def test_a_folder_that_refuses_new_folders_is_refused_for_the_runs_files(
+    command: list[str], folder: str, nothing_runs: list[str], tmp_path: Path
+) -> None:
+    """/proc and /sys say they are writable (to root) and refuse new folders: ``run`` and
+    ``replay`` failed making their work folder there, with a traceback (FileNotFoundError,
+    PermissionError)."""
+    if command == ["replay"]:
+        saved = tmp_path / "schedule.json"
+        saved.write_text(json.dumps(generate(1, 0).to_json()))
+        command = ["replay", str(saved)]
+    got = CliRunner().invoke(cli.app, [*command, "--db", f"sqlite+aiosqlite:///{folder}/x.db"])
+    assert got.exit_code == 2, got.output
+    assert got.output.startswith(f"error: --db: cannot make the run's SQLite files in {folder}")
+    assert "Traceback" not in got.output and nothing_runs == []
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        # No bound: a typo of a few digits ran for ever (fleet.py prepares them all first).
+        ("--sagas", "99999999999999999999"),
+        ("--sagas", str(cli.MAX_SAGAS + 1)),
+        # Past the fleet's deadline the kill or the restart never came; inf was accepted.
+        ("--kill-one-after", "inf"),
+        ("--kill-one-after", "3601"),
+        ("--kill-one-after", "nan"),
+        ("--restart-after", "inf"),
+        ("--restart-after", "nan"),
+    ],
+)
+def test_fleet_refuses_a_size_or_a_time_without_end(
+    option: str, value: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    started: list[object] = []
+
+    async def run_fleet(*args: object, **kwargs: object) -> None:
+        started.append(kwargs)
+
+    monkeypatch.setattr("fault_injection.fleet.run_fleet", run_fleet)
+    got = CliRunner().invoke(cli.app, ["fleet", "--workers", "2", option, value])
+    assert got.exit_code == 2, got.output
+    assert f"Invalid value for '{option}'" in got.output
+    assert "Traceback" not in got.output and started == []
+
+
+@pytest.mark.parametrize(
+    ("field", "text", "message"),
+    [
+        ("call_timeout_s", "Infinity", "call_timeout_s must be above 0 and at most 60 s, not inf"),
+        ("call_timeout_s", "NaN", "call_timeout_s must be above 0 and at most 60 s, not nan"),
+        ("call_timeout_s", "0", "call_timeout_s must be above 0"),
+        ("budget_s", "Infinity", "budget_s must be from 0 to 60 s, not inf"),
+        ("budget_s", "NaN", "budget_s must be from 0 to 60 s, not nan"),
+        ("budget_s", '"0.1"', "schedule field 'budget_s' must be a number"),
+        ("rounds", "100000000000000000000", "rounds must be in 1..10"),
+        ("rounds", "1e20", "schedule field 'rounds' must be an integer"),
+        ("max_workers", "100000000000000000000", "max_workers must be in 1..64"),
+        ("workers", "100000000000000000000", "workers must be in 1..4"),
+    ],
+)
+def test_replay_refuses_a_schedule_out_of_range_naming_the_field(
+    field: str, text: str, message: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Infinity and NaN (which JSON's loader takes) were a pydantic traceback or accepted, and
+    a huge ``rounds`` ran into the schedule's time limit, and as many ``workers`` never ended."""
+    started: list[object] = []
+
+    async def run_fresh(*args: object, **kwargs: object) -> None:
+        started.append(args)
+
+    monkeypatch.setattr("fault_injection.schedules.run_fresh", run_fresh)
+    saved = tmp_path / "schedule.json"
+    schedule = {**generate(1, 0).to_json(), field: "PLACEHOLDER"}
+    saved.write_text(json.dumps(schedule).replace('"PLACEHOLDER"', text))
+    got = CliRunner().invoke(cli.app, ["replay", str(saved)])
+    assert got.exit_code == 2, got.output
+    assert got.output.startswith(f"error: {saved}: not a schedule: {message}"), got.output
+    assert started == []
