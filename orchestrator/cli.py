@@ -54,6 +54,7 @@ from orchestrator.ops_cli import ops_app
 from orchestrator.principals_cli import principals_app
 from orchestrator.serve import SqliteWriterOption
 from orchestrator.serve import serve as serve_command
+from providers.fake.store import ShopDatabaseError
 
 T = TypeVar("T")
 
@@ -170,6 +171,8 @@ def _expected_failure(exc: BaseException) -> tuple[str, int] | None:
         return str(exc), EXIT_USAGE
     if isinstance(exc, StorageError):
         return f"{type(exc).__name__}: {exc}", EXIT_USAGE
+    if isinstance(exc, ShopDatabaseError):  # --fake-shop / --provider-db: the user's URL
+        return str(exc), EXIT_USAGE
     if isinstance(exc, Exception):
         message = _driver_message(exc)
         return None if message is None else (message, EXIT_USAGE)

@@ -9,7 +9,7 @@ from providers.fake.faults import (
 )
 from providers.fake.provider import FakeProvider
 from providers.fake.shop import COUNTED_ACTIONS, FakeShop
-from providers.fake.store import CallRecord, EffectRecord
+from providers.fake.store import CallRecord, EffectRecord, ShopDatabaseError
 
 __all__ = [
     "COUNTED_ACTIONS",
@@ -22,4 +22,5 @@ __all__ = [
     "FaultRule",
     "ProviderUnavailable",
     "ResponseLost",
+    "ShopDatabaseError",
 ]

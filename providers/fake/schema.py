@@ -103,10 +103,16 @@ calls = Table(
 )
 Index("ix_calls_key", calls.c.key)
 
+#: The most units of a SKU the ``stock`` table holds: ``available`` is an INTEGER, 32 bits on
+#: PostgreSQL (SQLite's 64 would take more, but one bound keeps the backends alike).
+MAX_STOCK = 2**31 - 1
+#: The longest SKU, as ``stock.sku`` is declared (PostgreSQL refuses a longer one).
+MAX_SKU_LENGTH = 128
+
 stock = Table(
     "stock",
     metadata,
-    Column("sku", String(128), primary_key=True),
+    Column("sku", String(MAX_SKU_LENGTH), primary_key=True),
     Column("available", Integer, nullable=False),
     CheckConstraint("available >= 0", name="available_non_negative"),
 )
@@ -144,6 +150,8 @@ emails = Table(
 
 __all__ = [
     "EFFECT_STATUSES",
+    "MAX_SKU_LENGTH",
+    "MAX_STOCK",
     "calls",
     "charges",
     "effects",

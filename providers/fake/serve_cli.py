@@ -15,18 +15,27 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import socket
 import sys
 from typing import Annotated
+from urllib.parse import quote, quote_plus
 
 import typer
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError, DBAPIError
 
+from providers.fake.schema import MAX_SKU_LENGTH, MAX_STOCK
 from providers.fake.shop import FakeShop
+from providers.fake.store import ShopDatabaseError
 
 app = typer.Typer(
     help="The fake shop provider (inventory, payments, email) served over HTTP.",
     no_args_is_help=True,
     pretty_exceptions_show_locals=False,
 )
+
+#: The longest reason shown for a database that cannot be opened: one line, not a dump.
+_MAX_REASON = 200
 
 
 @app.callback()
@@ -45,9 +54,18 @@ def parse_stock(items: list[str]) -> dict[str, int]:
             units = int(count)
         except ValueError:
             units = -1
-        if not sep or not sku or units < 0:
+        # The stock table's bounds, checked here: past them the database refused the row after
+        # the shop had opened (on PostgreSQL from 2**31 on, a driver error that printed the SQL
+        # and its parameters; on SQLite past 64 bits, an OverflowError).
+        if not sep or not sku or not 0 <= units <= MAX_STOCK:
             raise typer.BadParameter(
-                f"expected SKU=UNITS with UNITS >= 0, got {item!r}", param_hint="--seed-stock"
+                f"expected SKU=UNITS with UNITS from 0 to {MAX_STOCK}, got {item!r}",
+                param_hint="--seed-stock",
+            )
+        if len(sku) > MAX_SKU_LENGTH:
+            raise typer.BadParameter(
+                f"a SKU is at most {MAX_SKU_LENGTH} characters, got {len(sku)}",
+                param_hint="--seed-stock",
             )
         levels[sku] = units
     return levels
@@ -57,6 +75,46 @@ class ServeError(Exception):
     """A start-up failure reported as one line (exit code 2), never a traceback."""
 
 
+def _reason(exc: BaseException, db: str) -> str:
+    """Why the provider database could not be opened, in one line without the password."""
+    if isinstance(exc, ShopDatabaseError):
+        return str(exc)  # ours, written to be shown
+    if isinstance(exc, ArgumentError):
+        # SQLAlchemy's text may repeat the URL, password included.
+        return "--db is not a database URL (dialect+driver://user:password@host/database)"
+    # The driver's own words, not SQLAlchemy's wrapping (the SQL and a link to its docs).
+    cause = exc.orig if isinstance(exc, DBAPIError) and exc.orig is not None else exc
+    text = (str(cause).strip().splitlines() or [""])[0]
+    try:
+        password = make_url(db).password
+    except Exception:
+        password = None
+    if password:
+        for shown in {str(password), quote(str(password), safe=""), quote_plus(str(password))}:
+            text = text.replace(shown, "***")
+    if len(text) > _MAX_REASON:
+        text = text[: _MAX_REASON - 1] + "…"
+    name = type(cause).__name__
+    return f"{text} ({name})" if text else name
+
+
+def _checked_host(host: str, port: int) -> None:
+    """Refuse, before the database is opened (nothing is written then), a ``--host`` that
+    names no interface."""
+    if not host:
+        # asyncio takes "" as "every interface" (0.0.0.0 and ::): a typo that exposed the shop.
+        raise ServeError(
+            f"cannot serve on :{port}: --host is empty (0.0.0.0 or :: is every interface)"
+        )
+    try:
+        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except UnicodeError:
+        # The idna codec refuses a label over 63 characters (a ValueError, not an OSError).
+        raise ServeError(f"cannot serve on {host}:{port}: not a valid host name") from None
+    except OSError as exc:
+        raise ServeError(f"cannot serve on {host}:{port}: {exc.strerror or exc}") from None
+
+
 async def _run(db: str, host: str, port: int, stock: dict[str, int]) -> None:
     # Local: the CLI imports this module to register the command, and only serving needs httpx.
     from providers.fake.http_server import serve as serve_shop
@@ -64,8 +122,7 @@ async def _run(db: str, host: str, port: int, stock: dict[str, int]) -> None:
     try:
         shop = await FakeShop.open(db)
     except Exception as exc:
-        # Only the error's type: the message may repeat the URL, password included.
-        raise ServeError(f"cannot open the provider database ({type(exc).__name__})") from None
+        raise ServeError(f"cannot open the provider database: {_reason(exc, db)}") from None
     try:
         if stock:
             await shop.seed_stock(stock)
@@ -99,12 +156,16 @@ def serve(
     host: Annotated[str, typer.Option("--host", help="Interface to bind.")] = "127.0.0.1",
     seed_stock: Annotated[
         list[str] | None,
-        typer.Option("--seed-stock", help="Set a SKU's stock, SKU=UNITS (repeatable)."),
+        typer.Option(
+            "--seed-stock",
+            help=f"Set a SKU's stock, SKU=UNITS, UNITS from 0 to {MAX_STOCK} (repeatable).",
+        ),
     ] = None,
 ) -> None:
     """Serve the fake shop over HTTP until SIGINT or SIGTERM."""
     stock = parse_stock(seed_stock or [])
     try:
+        _checked_host(host, port)
         asyncio.run(_run(db, host, port, stock))
     except ServeError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -106,6 +106,9 @@ class FakeShop:
             for sku, available in levels.items():
                 if available < 0:
                     raise ValueError(f"stock of {sku!r} cannot be negative")
+                # Past the column's range the driver failed, printing the SQL and parameters.
+                if available > schema.MAX_STOCK:
+                    raise ValueError(f"stock of {sku!r} cannot be above {schema.MAX_STOCK}")
                 changed = await conn.execute(
                     update(s).where(s.c.sku == sku).values(available=available)
                 )

@@ -50,17 +50,26 @@ def sha256_hex(text_value: str) -> str:
     return hashlib.sha256(text_value.encode("utf-8")).hexdigest()
 
 
+class ShopDatabaseError(ValueError):
+    """A URL the fake shop cannot keep its database at (in memory, an unsupported backend):
+    the user's input, whose message is one line fit to show as it is (it holds no password).
+
+    A type of its own so that a command can tell it from a bug and report it in one line; still
+    a :class:`ValueError`, as it was, for callers that catch that.
+    """
+
+
 def _normalize_url(url: str | URL) -> URL:
     """Accept plain ``sqlite://`` / ``postgresql://`` URLs and pick the async driver."""
     parsed = make_url(url)
     backend = parsed.get_backend_name()
     if backend == "sqlite":
         if parsed.database in (None, "", ":memory:"):
-            raise ValueError("the fake shop needs a SQLite file, not an in-memory database")
+            raise ShopDatabaseError("the fake shop needs a SQLite file, not an in-memory database")
         return parsed.set(drivername="sqlite+aiosqlite")
     if backend == "postgresql":
         return parsed.set(drivername="postgresql+asyncpg")
-    raise ValueError(f"unsupported database for the fake shop: {backend!r}")
+    raise ShopDatabaseError(f"unsupported database for the fake shop: {backend!r}")
 
 
 def _sqlite_on_connect(dbapi_connection: Any, _record: Any) -> None:

@@ -37,6 +37,8 @@ from providers import (
     UnknownAction,
     UnknownProvider,
 )
+from providers.fake.schema import MAX_STOCK
+from providers.fake.store import ShopDatabaseError
 from providers.registry import DuplicateProvider
 
 CHARGE = {"amount": 1200, "currency": "EUR"}
@@ -599,3 +601,32 @@ async def test_forget_keys_on_apply_without_prior_lookup(db_urls: Any, clock: Cl
         assert await shop.inventory.apply("reserve", key="r1", payload=payload, fence=1) == again
         statuses = [(e.status, e.forgotten_at is not None) for e in await shop.effects("reserve")]
         assert statuses == [("applied", True), ("applied", False)]
+
+
+async def test_stock_takes_the_columns_whole_range_and_no_more(shop: FakeShop) -> None:
+    """Past the 32-bit INTEGER column the driver failed, printing the SQL and its parameters
+    on PostgreSQL (from 2**31 on); SQLite took more, or raised OverflowError past 64 bits."""
+    await shop.seed_stock({"sku-big": MAX_STOCK})
+    assert await shop.stock("sku-big") == MAX_STOCK
+    with pytest.raises(ValueError, match=f"stock of 'sku-big' cannot be above {MAX_STOCK}"):
+        await shop.seed_stock({"sku-1": 3, "sku-big": MAX_STOCK + 1})
+    # One transaction: nothing of the refused levels was written.
+    assert (await shop.stock("sku-1"), await shop.stock("sku-big")) == (10, MAX_STOCK)
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("sqlite+aiosqlite://", "needs a SQLite file, not an in-memory database"),
+        ("sqlite:///:memory:", "needs a SQLite file, not an in-memory database"),
+        ("mysql://u@db.example/shop", "unsupported database for the fake shop: 'mysql'"),
+    ],
+)
+async def test_a_database_the_shop_cannot_keep_is_a_shop_database_error(
+    url: str, message: str
+) -> None:
+    """A type of its own, so that the commands that open a shop can say it in one line (it was
+    a bare ValueError, a traceback); still a ValueError for callers that catch that."""
+    with pytest.raises(ShopDatabaseError, match=message) as raised:
+        await FakeShop.open(url)
+    assert isinstance(raised.value, ValueError)

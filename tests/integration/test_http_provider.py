@@ -747,3 +747,77 @@ def test_cli_rejects_a_bad_stock_spec() -> None:
     run = CliRunner().invoke(app, ["serve", "--port", "0", "--db", "x", "--seed-stock", "sku"])
     assert run.exit_code == 2
     assert "SKU=UNITS" in run.output
+
+
+def _serve(*args: str) -> tuple[int, str]:
+    from typer.testing import CliRunner
+
+    from providers.fake.serve_cli import app
+
+    run = CliRunner().invoke(app, ["serve", "--port", "0", *args])
+    return run.exit_code, run.output
+
+
+@pytest.mark.parametrize(
+    ("host", "message"),
+    [
+        # asyncio took "" for every interface, 0.0.0.0 and ::, and served the shop there.
+        ("", "cannot serve on :0: --host is empty (0.0.0.0 or :: is every interface)"),
+        # The idna codec's UnicodeError (a label over 63 characters) was a traceback.
+        ("a" * 64, f"cannot serve on {'a' * 64}:0: not a valid host name"),
+    ],
+)
+def test_cli_refuses_a_host_that_names_no_interface(
+    host: str, message: str, tmp_path: Path
+) -> None:
+    target = tmp_path / "provider.db"
+    code, output = _serve("--db", f"sqlite+aiosqlite:///{target}", "--host", host)
+    assert code == 2, output
+    assert output.strip() == f"error: {message}"
+    assert not target.exists()  # refused before the database was opened
+
+
+@pytest.mark.parametrize(
+    "spec", ["sku-1=2147483648", "sku-1=99999999999999999999", "sku-1=-1", f"{'s' * 129}=1"]
+)
+def test_cli_refuses_stock_the_table_cannot_hold(spec: str, tmp_path: Path) -> None:
+    """OverflowError on SQLite, and on PostgreSQL (its stock column is a 32-bit INTEGER) a
+    driver error that printed the SQL and its parameters."""
+    target = tmp_path / "provider.db"
+    code, output = _serve("--db", f"sqlite+aiosqlite:///{target}", "--seed-stock", spec)
+    assert code == 2, output
+    assert "Invalid value for --seed-stock" in output and "Traceback" not in output
+    assert not target.exists()
+
+
+def test_cli_says_why_the_database_cannot_be_opened(backend: str, tmp_path: Path) -> None:
+    """It said only the exception's class (``cannot open the provider database
+    (OperationalError)``); now the driver's reason too, never the password."""
+    secret = "hunter2secret"
+    if backend == "sqlite":
+        target = tmp_path / "provider.db"
+        target.write_text("not a database, " * 100)
+        url = f"sqlite+aiosqlite:///{target}"
+        reason = "file is not a database (DatabaseError)"
+    else:
+        from sqlalchemy import make_url
+
+        from tests.conftest import pg_admin_url
+
+        # Named as its password: the server's "does not exist" repeats it, and it is hidden.
+        url = make_url(pg_admin_url()).set(password=secret, database=secret)
+        url = url.render_as_string(hide_password=False)
+        reason = ""
+    code, output = _serve("--db", url)
+    assert code == 2, output
+    assert output.startswith("error: cannot open the provider database: "), output
+    assert reason in output and secret not in output and "Traceback" not in output
+
+
+def test_cli_says_an_in_memory_database_is_not_the_shops() -> None:
+    code, output = _serve("--db", "sqlite+aiosqlite://")
+    assert code == 2, output
+    assert output.strip() == (
+        "error: cannot open the provider database: the fake shop needs a SQLite file, not an "
+        "in-memory database"
+    )
