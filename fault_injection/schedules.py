@@ -102,8 +102,8 @@ SCHEDULE_TIMEOUT_S: Final = 60.0
 #: that was not the schedule's), and as many workers never ended. The generator draws 1 or 2
 #: rounds; each round only moves the clocks ROUND_ADVANCE_S further, and a round may take
 #: DRAIN_TIMEOUT_S. Workers as many as ``fault-inject run --workers`` takes.
-MOST_ROUNDS: Final = 10
-MOST_WORKERS: Final = 64
+SAVED_ROUNDS_LIMIT: Final = 10
+SAVED_WORKERS_LIMIT: Final = 64
 #: Rounds after the schedule's own, granted only to replace workers that died or to absorb a
 #: released stale holder.
 MAX_ROUNDS: Final = 4
@@ -382,12 +382,12 @@ def _validate(s: Schedule) -> None:
         raise ValueError("a schedule needs at least one saga")
     if len(set(s.tx_ids)) != len(s.tx_ids):
         raise ValueError("tx ids of a schedule must be distinct")
-    if not 1 <= s.max_workers <= MOST_WORKERS:
-        raise ValueError(f"max_workers must be in 1..{MOST_WORKERS}, not {s.max_workers}")
+    if not 1 <= s.max_workers <= SAVED_WORKERS_LIMIT:
+        raise ValueError(f"max_workers must be in 1..{SAVED_WORKERS_LIMIT}, not {s.max_workers}")
     if not 1 <= s.workers <= s.max_workers:
         raise ValueError(f"workers must be in 1..{s.max_workers}, not {s.workers}")
-    if not 1 <= s.rounds <= MOST_ROUNDS:
-        raise ValueError(f"rounds must be in 1..{MOST_ROUNDS}, not {s.rounds}")
+    if not 1 <= s.rounds <= SAVED_ROUNDS_LIMIT:
+        raise ValueError(f"rounds must be in 1..{SAVED_ROUNDS_LIMIT}, not {s.rounds}")
     # Written as ranges that must hold, so that NaN (which JSON's loader takes) fails them too.
     # Past SCHEDULE_TIMEOUT_S a budget or a call only waits for the schedule to be cut.
     limit = SCHEDULE_TIMEOUT_S
