@@ -270,30 +270,14 @@ async def give(store: Store, principal_id: str, provider: str, action: str, **kw
 
 async def test_a_cap_is_stored_up_to_the_columns_largest(store: Store) -> None:
     await add(store, "u1")
-    async with store.transaction() as work:
-        await repo.grant(
-            work,
-            principal_id="u1",
-            provider="shop",
-            action="charge",
-            permission="execute",
-            max_amount=repo.MAX_AMOUNT,
-        )
+    await give(store, "u1", "shop", "charge", max_amount=repo.MAX_AMOUNT)
     async with store.read() as conn:
         (grant,) = await repo.grants_of(conn, "u1")
     assert grant.max_amount == 2**63 - 1
     # One more failed in the driver (OverflowError on SQLite, the statement on PostgreSQL).
     for refused in (repo.MAX_AMOUNT + 1, -1):
         with pytest.raises(ValueError, match="max_amount must be from 0 to"):
-            async with store.transaction() as work:
-                await repo.grant(
-                    work,
-                    principal_id="u1",
-                    provider="shop",
-                    action="charge",
-                    permission="execute",
-                    max_amount=refused,
-                )
+            await give(store, "u1", "shop", "charge", max_amount=refused)
 
 
 async def test_load_principal_loads_row_grants_and_membership(store: Store) -> None:
