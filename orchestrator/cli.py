@@ -239,7 +239,19 @@ def _sqlite_path(url: str) -> Path | None:
     return Path(database)
 
 
+def _refuse_in_memory(url: str) -> None:
+    """An in-memory SQLite database is made empty for this command and gone after it: ``db
+    upgrade`` said "schema upgraded" for it, and the read commands advised ``db upgrade``."""
+    parsed = make_url(url)
+    if parsed.get_backend_name() == "sqlite" and (parsed.database or "") in ("", ":memory:"):
+        raise CliFailure(
+            "an in-memory SQLite database lasts only as long as this command: give a file "
+            "(sqlite:///path/agent.db)"
+        )
+
+
 def _require_existing(url: str) -> None:
+    _refuse_in_memory(url)
     # SQLite would create an empty file on connect; a read command must not leave one behind.
     path = _sqlite_path(url)
     if path is not None and not path.exists():
@@ -381,6 +393,7 @@ def _checked_url_or_exit(url: str, option: str) -> str:
 
 async def _revisions(url: str, *, apply: bool) -> tuple[str | None, str | None]:
     url = _checked_url(url)
+    _refuse_in_memory(url)
     path = _sqlite_path(url)
     if path is not None and not path.parent.exists():
         raise CliFailure(f"directory {path.parent} does not exist")
@@ -685,7 +698,8 @@ def worker(
     """Recovery loops: resume due transactions, compensate, dispatch the outbox."""
     from orchestrator.workerproc import run_worker_process
 
-    extra = {"worker_id": worker_id} if worker_id else {}
+    # ``is not None``: an empty --worker-id is refused by the settings, not taken as unset.
+    extra = {"worker_id": worker_id} if worker_id is not None else {}
 
     async def job() -> tuple[EngineSettings, Any]:
         # Validated inside _run so a bad URL or setting is one clean line, not a traceback.

@@ -159,6 +159,17 @@ def test_a_file_that_is_not_a_database_is_one_clean_line(
     assert other.read_text() == "root:x:0:0:root:/root:/bin/bash\n" * 200
 
 
+@pytest.mark.parametrize("url", ["sqlite+aiosqlite://", "sqlite:///:memory:"])
+@pytest.mark.parametrize("command", [["db", "upgrade"], ["db", "current"], ["status"]])
+def test_an_in_memory_database_is_refused_where_it_would_vanish(
+    command: list[str], url: str, tmp_path: Path
+) -> None:
+    # ``db upgrade`` said "schema upgraded" for a database gone when it returned.
+    run = cli(*command, "--db", url, cwd=tmp_path)
+    assert_clean_failure(run)
+    assert "an in-memory SQLite database lasts only as long as this command" in run.err
+
+
 def test_ledger_verify_ok(store: str, tmp_path: Path) -> None:
     run = cli("ledger", "verify", "--db", store, cwd=tmp_path)
     assert run.code == 0, run.err

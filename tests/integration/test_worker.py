@@ -240,6 +240,7 @@ async def test_a_worker_refuses_a_poll_interval_without_end(
         (["--lease-seconds", "5000"], "error: --lease-seconds: Input should be less than or"),
         (["--lease-seconds", "inf"], "error: --lease-seconds: Input should be less than or"),
         (["--worker-id", "w" * 129], "error: --worker-id: String should have at most 128"),
+        (["--worker-id", ""], "error: --worker-id: String should have at least 1"),  # was unset
         # Accepted, and then an idle worker never polled again.
         (["--poll-seconds", "inf"], "Invalid value for '--poll-seconds'"),
     ],
