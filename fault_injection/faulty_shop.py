@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 
+from providers.fake.actions import build_specs
 from providers.fake.faults import FaultKind, FaultPlan, FaultRule
 from providers.fake.shop import FakeShop
 
@@ -26,6 +27,12 @@ def parse_faults(spec: str) -> list[FaultRule]:
         provider, dot, action = target.partition(".")
         if not (provider and dot and action):
             raise ValueError(f"{item!r}: {target!r} is not provider.action (payments.charge)")
+        shop = build_specs(0.0)
+        if action not in shop.get(provider, {}):
+            # A rule for an action the shop has not (a typo) never fires: the fleet ran as if
+            # no fault had been asked for.
+            known = ", ".join(f"{p}.{a}" for p, actions in shop.items() for a in actions)
+            raise ValueError(f"{item!r}: the fake shop has no action {target!r} ({known})")
         if kind not in {k.value for k in FaultKind}:
             kinds = ", ".join(k.value for k in FaultKind)
             raise ValueError(f"{item!r}: unknown fault kind {kind!r} (one of {kinds})")

@@ -120,6 +120,12 @@ PG = "postgresql+asyncpg://postgres@127.0.0.1:5432/postgres"
         ),
         (["--db", PG, "--faults", "reject:payments:0:1"], "--faults: 'reject:payments:0:1': "),
         (["--db", PG, "--faults", "reject:email.send:-1:1"], "--faults: 'reject:email.send:-1"),
+        # An action the shop has not: the rule never fired, and the fleet ran without faults.
+        (
+            ["--db", PG, "--faults", "lose_response:payments.chrage:0:1"],
+            "--faults: 'lose_response:payments.chrage:0:1': the fake shop has no action "
+            "'payments.chrage' (inventory.reserve, ",
+        ),
         # Its only worker killed, nobody would recover what it held.
         (["--db", PG, "--workers", "1", "--kill-one-after", "2"], "--kill-one-after needs"),
         # A restart this process cannot make failed mid-run with a traceback.
