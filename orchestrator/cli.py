@@ -704,7 +704,7 @@ def worker(
     async def job() -> tuple[EngineSettings, Any]:
         # Validated inside _run so a bad URL or setting is one clean line, not a traceback.
         settings = engine_settings(lease_seconds=lease_seconds, **extra)
-        shop = _checked_url(fake_shop, "--fake-shop") if fake_shop else None
+        shop = _checked_url(fake_shop, "--fake-shop") if fake_shop is not None else None
         writer = _checked_sqlite_writer(sqlite_writer)
         stats = await run_worker_process(
             _checked_url(db),

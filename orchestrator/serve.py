@@ -255,7 +255,7 @@ def serve(
         # Checked inside cli._run, so every refusal is the CLI's one clean error line.
         auth = _auth_settings(jwt_secret, jwt_public_key_file, tenant, jwt_audience, jwt_issuer)
         url = cli._checked_url(db)
-        shop = cli._checked_url(fake_shop, "--fake-shop") if fake_shop else None
+        shop = cli._checked_url(fake_shop, "--fake-shop") if fake_shop is not None else None
         writer = cli._checked_sqlite_writer(sqlite_writer)
         await run_server(
             url,

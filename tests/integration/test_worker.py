@@ -241,6 +241,7 @@ async def test_a_worker_refuses_a_poll_interval_without_end(
         (["--lease-seconds", "inf"], "error: --lease-seconds: Input should be less than or"),
         (["--worker-id", "w" * 129], "error: --worker-id: String should have at most 128"),
         (["--worker-id", ""], "error: --worker-id: String should have at least 1"),  # was unset
+        (["--fake-shop", ""], "error: --fake-shop: Could not parse"),  # was taken as no shop
         # Accepted, and then an idle worker never polled again.
         (["--poll-seconds", "inf"], "Invalid value for '--poll-seconds'"),
     ],
