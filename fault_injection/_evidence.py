@@ -26,12 +26,12 @@ from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import Table, event, inspect, select, text
+from sqlalchemy import Table, event, select, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
 from compensation import policy
-from ledger import events
+from ledger import dialects, events
 from ledger.events import LedgerEntry, LedgerProblem
 from ledger.schema import compensation_steps, ledger, operations, outbox, saga_definitions
 from ledger.schema import transactions as transactions_table
@@ -309,7 +309,7 @@ async def table_names(url: str) -> set[str]:
     engine = _provider_engine(url)
     try:
         async with engine.connect() as conn:
-            return set(await conn.run_sync(lambda sync: inspect(sync).get_table_names()))
+            return await dialects.table_names(conn)
     finally:
         await engine.dispose()
 

@@ -31,7 +31,7 @@ from sqlalchemy.pool import NullPool
 from fault_injection._evidence import EvidenceReader
 from fault_injection.invariants import CheckReport, check_snapshot
 from fault_injection.sagas import STOCK
-from ledger.dialects import dialect_of, normalize_url
+from ledger.dialects import dialect_of, in_memory, normalize_url
 from orchestrator.config import EngineSettings
 from orchestrator.engine import Orchestrator
 from providers.fake.faults import FaultPlan
@@ -65,7 +65,7 @@ def sqlite_folder(db: str | None) -> Path | None:
     url = make_url(normalize_url(db))
     if url.get_backend_name() != "sqlite":
         return None
-    if not url.database or url.database == ":memory:":
+    if in_memory(db) or url.database is None:
         raise ValueError(
             "an in-memory SQLite database cannot be shared by the engine, its writer process "
             "and the shop; give a file URL (fresh files are made in its folder)"

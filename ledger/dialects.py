@@ -17,7 +17,7 @@ import sqlite3
 import time
 from typing import Any, Literal
 
-from sqlalchemy import BigInteger, Table, event, literal_column
+from sqlalchemy import BigInteger, Table, event, inspect, literal_column
 from sqlalchemy.dialects.postgresql import insert as postgresql_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import URL, Connection, make_url
@@ -150,6 +150,18 @@ PG_POOL_SIZE = 20
 
 #: How long a SQLite connection waits for another process's write lock.
 SQLITE_BUSY_TIMEOUT_MS = 10_000
+
+
+def in_memory(url: str) -> bool:
+    """Whether a SQLite URL names an in-memory database (``sqlite://``, ``:memory:``): one that
+    each connection makes empty, and that is gone when it closes."""
+    parsed = make_url(url)
+    return parsed.get_backend_name() == "sqlite" and (parsed.database or "") in ("", ":memory:")
+
+
+async def table_names(conn: AsyncConnection) -> set[str]:
+    """The tables of the database ``conn`` is connected to (its default schema)."""
+    return set(await conn.run_sync(lambda sync: inspect(sync).get_table_names()))
 
 
 def sqlite_file(url: str) -> str | None:

@@ -231,10 +231,10 @@ def _checked_sqlite_writer(value: str | None) -> SqliteWriter | None:
 
 def _sqlite_path(url: str) -> Path | None:
     parsed = make_url(url)
-    if parsed.get_backend_name() != "sqlite":
+    if parsed.get_backend_name() != "sqlite" or dialects.in_memory(url):
         return None
     database = parsed.database or ""
-    if database in ("", ":memory:") or database.startswith("file:"):
+    if database.startswith("file:"):
         return None
     return Path(database)
 
@@ -242,8 +242,7 @@ def _sqlite_path(url: str) -> Path | None:
 def _refuse_in_memory(url: str) -> None:
     """An in-memory SQLite database is made empty for this command and gone after it: ``db
     upgrade`` said "schema upgraded" for it, and the read commands advised ``db upgrade``."""
-    parsed = make_url(url)
-    if parsed.get_backend_name() == "sqlite" and (parsed.database or "") in ("", ":memory:"):
+    if dialects.in_memory(url):
         raise CliFailure(
             "an in-memory SQLite database lasts only as long as this command: give a file "
             "(sqlite:///path/agent.db)"

@@ -21,12 +21,12 @@ from typing import Any, Final
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
-from sqlalchemy import func, inspect, select
+from sqlalchemy import func, select
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.pool import NullPool
 
-from ledger.dialects import normalize_url, translate
+from ledger.dialects import normalize_url, table_names, translate
 from ledger.events import LedgerEntry
 from ledger.schema import transactions as transactions_table
 from ledger.states import TxState
@@ -302,7 +302,7 @@ async def _require_empty_provider(url: str) -> None:
     engine = create_async_engine(normalize_url(url), poolclass=NullPool)
     try:
         async with engine.connect() as conn:
-            tables = set(await conn.run_sync(lambda sync: inspect(sync).get_table_names()))
+            tables = await table_names(conn)
             others = sorted(tables - set(shop_schema.metadata.tables))
             effects = 0
             if not others and shop_schema.effects.name in tables:

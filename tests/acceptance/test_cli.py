@@ -19,11 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import sqlalchemy
 import structlog
 from rich.console import Console
 
-from ledger.dialects import create_engine
+from ledger.dialects import create_engine, table_names
 from orchestrator.cli import DEMO_MARK
 from orchestrator.demo import DemoError, run_demo
 from orchestrator.logging import configure_logging
@@ -389,7 +388,7 @@ async def test_the_demo_refuses_a_provider_database_that_holds_anything(
     engine = create_engine(db_urls.store)
     try:
         async with engine.connect() as conn:
-            tables = await conn.run_sync(lambda sync: sqlalchemy.inspect(sync).get_table_names())
+            tables = await table_names(conn)
     finally:
         await engine.dispose()
     assert "effects" not in tables and "stock" not in tables

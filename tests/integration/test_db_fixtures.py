@@ -15,11 +15,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from sqlalchemy import inspect
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from ledger import migrate
+from ledger.dialects import table_names
 from ledger.schema import metadata
 from providers.fake.schema import metadata as shop_metadata
 from tests.conftest import DbUrls, pg_admin_url, pg_connect, require_pg
@@ -30,7 +30,7 @@ async def _tables(url: str) -> set[str]:
     engine = create_async_engine(url)
     try:
         async with engine.connect() as conn:
-            return set(await conn.run_sync(lambda sync: inspect(sync).get_table_names()))
+            return await table_names(conn)
     finally:
         await engine.dispose()
 

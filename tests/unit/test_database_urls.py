@@ -9,7 +9,7 @@ import sqlite3
 import pytest
 from sqlalchemy.exc import DatabaseError
 
-from ledger.dialects import normalize_url, translate
+from ledger.dialects import in_memory, normalize_url, translate
 from ledger.errors import StoreUnavailable
 
 
@@ -68,3 +68,17 @@ def test_a_file_that_is_not_a_database_is_store_unavailable(message: str) -> Non
         translated = translate(raised)
         assert isinstance(translated, StoreUnavailable)
         assert str(translated) == "not a SQLite database file, or a damaged one"
+
+
+@pytest.mark.parametrize(
+    ("url", "memory"),
+    [
+        ("sqlite://", True),
+        ("sqlite+aiosqlite:///:memory:", True),
+        ("sqlite+aiosqlite:///agent.db", False),
+        ("sqlite+aiosqlite:////tmp/agent.db?timeout=5", False),
+        ("postgresql+asyncpg://u@h/d", False),
+    ],
+)
+def test_an_in_memory_sqlite_url_is_told_from_a_file(url: str, memory: bool) -> None:
+    assert in_memory(url) is memory
