@@ -24,6 +24,7 @@ import typer
 
 from ledger.store import Store
 from orchestrator import ops
+from orchestrator.principals_cli import checked_text
 
 DEFAULT_DB: Final = "sqlite+aiosqlite:///agent.db"
 DB_ENV: Final = "AGENT_TXN_DB"
@@ -118,6 +119,7 @@ def deliveries(
     flipped first, as every lookup does)."""
     from orchestrator import agent
 
+    checked_text(room, "ROOM", 64)
     rows = _run(db, lambda store: _wrap(agent.deliveries(store, room)))["markers"]
     text = "\n".join(
         f"{m['execution_id']}  {m['state']:<12} expires {m['expires_at']}  "
@@ -146,6 +148,7 @@ def acknowledge(
     """Release selected delivery markers; never rolls back a committed write."""
     from orchestrator import agent
 
+    checked_text(room, "ROOM", 64)
     rows = _run(
         db,
         lambda store: _wrap(

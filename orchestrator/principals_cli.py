@@ -119,8 +119,11 @@ def _print(text: str) -> None:
     cli._stdout().print(text, soft_wrap=True)
 
 
-def _checked(value: str, hint: str, longest: int) -> str:
-    """Refuse values the columns cannot hold, before PostgreSQL does it with a traceback."""
+def checked_text(value: str, hint: str, longest: int) -> str:
+    """Refuse values the columns cannot hold, before PostgreSQL does it with a traceback.
+
+    Also used for names that only select (``list --tenant``, ``ops deliveries ROOM``): a value
+    no row can have would answer with nothing, as if the name were right and simply empty."""
     if not 0 < len(value) <= longest or value.strip() != value:
         raise typer.BadParameter(
             f"1 to {longest} characters, no surrounding spaces", param_hint=hint
@@ -154,9 +157,9 @@ def add(
     db: DbOption = DEFAULT_DB,
 ) -> None:
     """Create a principal (verified unless --unverified)."""
-    _checked(principal_id, "PRINCIPAL_ID", 64)
-    _checked(tenant, "--tenant", 100)
-    _checked(name, "--name", 200)
+    checked_text(principal_id, "PRINCIPAL_ID", 64)
+    checked_text(tenant, "--tenant", 100)
+    checked_text(name, "--name", 200)
     key = generate_api_key() if api_key else None
 
     async def job(store: Store) -> None:
@@ -208,6 +211,8 @@ def list_(
     db: DbOption = DEFAULT_DB,
 ) -> None:
     """Every principal with its flags, grants and rooms."""
+    if tenant is not None:
+        checked_text(tenant, "--tenant", 100)  # as add refuses it: '' would list nothing
 
     async def job(
         store: Store,
@@ -338,12 +343,12 @@ def grant(
     db: DbOption = DEFAULT_DB,
 ) -> None:
     """Grant a permission on a provider action (granting again replaces cap and fields)."""
-    _checked(provider, "PROVIDER", 100)
-    _checked(action, "ACTION", 100)
+    checked_text(provider, "PROVIDER", 100)
+    checked_text(action, "ACTION", 100)
     for field in readable or ():
-        _checked(field, "--readable", 100)  # an empty or space-padded name was stored as given
+        checked_text(field, "--readable", 100)  # an empty or space-padded name was stored as given
     if amount_field is not None:
-        _checked(amount_field, "--amount-field", 100)
+        checked_text(amount_field, "--amount-field", 100)
         if max_amount is None:
             raise typer.BadParameter(
                 "only meaningful with --max-amount", param_hint="--amount-field"
@@ -409,7 +414,7 @@ def join(
     db: DbOption = DEFAULT_DB,
 ) -> None:
     """Make the principal a member of the room (again, if it had left)."""
-    _checked(room_id, "ROOM_ID", 64)
+    checked_text(room_id, "ROOM_ID", 64)
 
     async def job(store: Store) -> None:
         await _require_principal(store, principal_id)
@@ -463,10 +468,10 @@ def token(
             f"must be at least {MIN_HS256_SECRET_BYTES} bytes", param_hint="--secret"
         )
     if room is not None:
-        _checked(room, "--room", 64)
+        checked_text(room, "--room", 64)
     for hint, claim in (("--audience", audience), ("--issuer", issuer)):
         if claim is not None:
-            _checked(claim, hint, 256)  # an empty aud or iss matches no server's setting
+            checked_text(claim, hint, 256)  # an empty aud or iss matches no server's setting
 
     async def job(store: Store) -> repo.PrincipalRow:
         return await _require_principal(store, principal_id)

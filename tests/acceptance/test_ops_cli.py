@@ -155,6 +155,26 @@ def test_a_missing_database_is_one_line_and_is_not_created(tmp_path: Path) -> No
     assert not path.exists()
 
 
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["deliveries", ""],
+        ["deliveries", " room-1"],
+        ["deliveries", "r" * 65],
+        ["acknowledge", "", "-e", "x"],
+    ],
+)
+def test_a_room_no_marker_can_have_is_refused_not_answered_with_nothing(
+    tmp_path: Path, args: list[str]
+) -> None:
+    # Before: "no delivery markers in this room", as if the room were right and empty.
+    path = tmp_path / "agent.db"
+    result = run("ops", *args, "--db", f"sqlite+aiosqlite:///{path}")
+    assert result.exit_code == 2, (result.stdout, result.stderr)
+    assert "ROOM" in result.stderr and "Traceback" not in result.stderr
+    assert not path.exists()  # refused before the database is opened
+
+
 def test_options_match_the_rest_of_the_cli() -> None:
     assert (ops_cli.DB_ENV, ops_cli.DEFAULT_DB) == (cli.DB_ENV, cli.DEFAULT_DB)
 

@@ -239,6 +239,8 @@ def test_unknown_ids_are_one_clean_line(db: str, args: list[str], message: str) 
         (["token", "u1", "--secret", "too-short"], "--secret"),
         (["token", "u1", "--secret", "s" * 32, "--audience", ""], "--audience"),
         (["token", "u1", "--secret", "s" * 32, "--issuer", " x"], "--issuer"),
+        # A tenant no principal can have listed nothing, as if it were right and empty.
+        (["list", "--tenant", ""], "--tenant"),
     ],
 )
 def test_bad_values_are_usage_errors(tmp_path: Path, args: list[str], blamed: str) -> None:
