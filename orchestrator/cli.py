@@ -360,6 +360,9 @@ def demo(
         db = _checked_url_or_exit(db, "--db")
     if provider_db is not None:
         provider_db = _checked_url_or_exit(provider_db, "--provider-db")
+        if dialects.in_memory(provider_db):
+            # The shop refuses it too, but only after the demo's folder has been made.
+            _fail("--provider-db: the fake shop needs a SQLite file, not an in-memory database")
     if db is not None and provider_db is None and dialects.dialect_of(db) == "postgresql":
         _fail(
             "--provider-db is required with a PostgreSQL --db: the fake provider needs a "

@@ -351,6 +351,17 @@ def test_demo_with_postgres_db_needs_provider_db(tmp_path: Path) -> None:
     assert "--provider-db is required" in run.err
 
 
+@pytest.mark.parametrize("url", ["sqlite+aiosqlite://", "sqlite+aiosqlite:///:memory:"])
+def test_demo_refuses_an_in_memory_provider_db_before_making_its_folder(
+    url: str, tmp_path: Path
+) -> None:
+    # The shop refused it, but only after the demo had made and marked its --dir folder.
+    run = cli("demo", "--dir", "fresh", "--provider-db", url, cwd=tmp_path)
+    assert_clean_failure(run)
+    assert "--provider-db: the fake shop needs a SQLite file" in run.err
+    assert not (tmp_path / "fresh").exists()
+
+
 def test_bad_log_level_is_a_usage_error(tmp_path: Path) -> None:
     run = cli("--log-level", "LOUD", "ledger", "verify", cwd=tmp_path)
     assert run.code == 2 and "Traceback" not in run.err
