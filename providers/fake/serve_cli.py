@@ -107,12 +107,27 @@ def _checked_host(host: str, port: int) -> None:
             f"cannot serve on :{port}: --host is empty (0.0.0.0 or :: is every interface)"
         )
     try:
-        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        if port:
+            for family, kind, proto, _, address in addresses:
+                _probe_bind(family, kind, proto, address)
     except UnicodeError:
         # The idna codec refuses a label over 63 characters (a ValueError, not an OSError).
         raise ServeError(f"cannot serve on {host}:{port}: not a valid host name") from None
     except OSError as exc:
         raise ServeError(f"cannot serve on {host}:{port}: {exc.strerror or exc}") from None
+
+
+def _probe_bind(family: int, kind: int, proto: int, address: tuple[object, ...]) -> None:
+    """Bind ``address`` and let it go: a port in use is refused before the shop's tables are
+    made in ``--db``. The server binds again a moment later; should another process take the
+    port in between, the server's own bind still fails cleanly, only after the tables."""
+    with socket.socket(family, kind, proto) as probe:
+        # As asyncio.start_server does on POSIX: a port left in TIME_WAIT is not "in use".
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        probe.bind(address)
 
 
 async def _run(db: str, host: str, port: int, stock: dict[str, int]) -> None:

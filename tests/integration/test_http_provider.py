@@ -777,6 +777,20 @@ def test_cli_refuses_a_host_that_names_no_interface(
     assert not target.exists()  # refused before the database was opened
 
 
+def test_cli_refuses_a_port_in_use_before_making_the_shops_tables(tmp_path: Path) -> None:
+    import socket
+
+    target = tmp_path / "provider.db"
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code, output = _serve("--db", f"sqlite+aiosqlite:///{target}", "--port", str(port))
+    assert code == 2, output
+    assert output.startswith(f"error: cannot serve on 127.0.0.1:{port}: "), output
+    assert not target.exists()  # it made the shop's tables, then found the port taken
+
+
 @pytest.mark.parametrize(
     "spec", ["sku-1=2147483648", "sku-1=99999999999999999999", "sku-1=-1", f"{'s' * 129}=1"]
 )
