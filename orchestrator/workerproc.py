@@ -9,6 +9,7 @@ shortcut that serves the fake shop's three providers from its database.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import inspect
 import signal
@@ -52,14 +53,28 @@ async def load_providers(app_ref: str) -> tuple[list[Provider], Any]:
         # The caller's own code failed (a factory that wants arguments, a module attribute
         # that is something else): said in one line with its reason, as a bad name is.
         reason = f"loading providers from {app_ref} failed: {type(exc).__name__}: {exc}"
+        await _close_refused(target if hasattr(target, "providers") else None)
         raise DefinitionInvalid(details={"reason": reason}) from None
     strangers = [item for item in found if not isinstance(item, Provider)]
     if not found or strangers:
+        # The caller never gets ``closer`` to close: an app that opened a pool or a client
+        # for its providers is closed here, before the refusal.
+        await _close_refused(closer)
         what = f"{type(strangers[0]).__name__} {strangers[0]!r:.60}" if strangers else "nothing"
         raise DefinitionInvalid(
             details={"reason": f"{app_ref} gives no providers (it gave {what})"}
         )
     return found, closer
+
+
+async def _close_refused(app: Any) -> None:
+    close = getattr(app, "close", None)
+    if not callable(close):
+        return
+    with contextlib.suppress(Exception):  # the refusal is what the user needs to see
+        result = close()
+        if inspect.isawaitable(result):
+            await result
 
 
 #: Connections a worker needs beyond one per saga in hand: its claim pass and its callbacks.

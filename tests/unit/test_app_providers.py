@@ -27,6 +27,39 @@ def build_fails() -> list[Provider]:
     raise RuntimeError("no credentials in the environment")
 
 
+class App:
+    """An app that opened something for its providers (a pool, a client) and closes it."""
+
+    def __init__(self, providers: list[object], *, fails: bool = False) -> None:
+        self.given, self.fails, self.closed = providers, fails, False
+
+    def providers(self) -> list[object]:
+        if self.fails:
+            raise RuntimeError("the provider registry refused a name")
+        return self.given
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+OPENED: list[App] = []
+
+
+def build_app_of_nothing() -> App:
+    OPENED.append(App([]))
+    return OPENED[-1]
+
+
+def build_app_of_strangers() -> App:
+    OPENED.append(App(["not a provider"]))
+    return OPENED[-1]
+
+
+def build_app_that_fails() -> App:
+    OPENED.append(App(list(LISTED), fails=True))
+    return OPENED[-1]
+
+
 @pytest.mark.parametrize(
     ("attribute", "closes"), [("LISTED", False), ("build", False), ("SHOP", True)]
 )
@@ -55,3 +88,15 @@ async def test_what_gives_no_providers_is_refused_with_its_reason(
     with pytest.raises(DefinitionInvalid) as refused:
         await load_providers(app_ref)
     assert reason in refused.value.details["reason"]
+
+
+@pytest.mark.parametrize(
+    "factory", ["build_app_of_nothing", "build_app_of_strangers", "build_app_that_fails"]
+)
+async def test_an_app_that_is_refused_is_closed(factory: str) -> None:
+    # The caller closes the app it is given; on a refusal it is given nothing, and what the
+    # app had opened stayed open until the process ended.
+    OPENED.clear()
+    with pytest.raises(DefinitionInvalid):
+        await load_providers(f"{__name__}:{factory}")
+    assert [app.closed for app in OPENED] == [True]
