@@ -55,6 +55,7 @@ from fault_injection.cli import MAX_SAGAS, FreshDatabasesOption
 from fault_injection.harness import scratch_folder
 from fault_injection.steal import (
     ALIKE_STEAL_POINTS,
+    STEAL_CAUTION_SHARE,
     alike,
     read_cpu_times,
     steal_caution,
@@ -675,6 +676,7 @@ def _sweep_ours(
         sagas=sagas,
         concurrencies=settings,
         on_run=show,
+        on_rerun=lambda _round, _c, steal: _print_rerun(out, steal),
     )
     means = " · ".join(f"C={c} {mean:,.1f}" for c, mean in sweep.means.items())
     out.print(f"our fastest here: C={sweep.fastest} (mean sagas/s: {means})")
@@ -704,13 +706,27 @@ def _sweep_dbos(
         )
 
     sweep = sweep_dbos(
-        db, workdir, sagas=sagas, warmup=config.warmup, sqlite_tuning=tuning, on_run=show
+        db,
+        workdir,
+        sagas=sagas,
+        warmup=config.warmup,
+        sqlite_tuning=tuning,
+        on_run=show,
+        on_rerun=lambda _round, _c, steal: _print_rerun(out, steal),
     )
     means = " · ".join(f"C={c} {mean:,.1f}" for c, mean in sweep.means.items())
     out.print(f"DBOS's fastest here: C={sweep.fastest} (mean workflows/s: {means})")
     _print_steal_caution(out, sweep.steal_shares, of="sweep runs")
     _print_problems(out, sweep.problems)
     return sweep
+
+
+def _print_rerun(out: Console, steal: float) -> None:
+    """Under a sweep run set aside (``fault_injection.sweep.SWEEP_RERUNS``)."""
+    out.print(
+        f"    set aside: the hypervisor took {steal:.0%} of the machine's CPU "
+        f"(from {STEAL_CAUTION_SHARE:.0%} on, a sweep run is run once more)"
+    )
 
 
 def _median_interval_line(data: dict[str, Any]) -> str:

@@ -331,9 +331,11 @@ def sweep_dbos(
     concurrencies: tuple[int, ...] = SWEEP_CONCURRENCY,
     rounds: int = SWEEP_ROUNDS,
     on_run: Callable[[int, int, DbosResult, float | None], None] | None = None,
+    on_rerun: Callable[[int, int, float], None] | None = None,
 ) -> Sweep:
     """Run DBOS alone at each of ``concurrencies``, ``rounds`` times over, on the database
-    ``run_dbos`` gives each run; ``on_run(round, concurrency, result, steal)`` after each
+    ``run_dbos`` gives each run; ``on_run(round, concurrency, result, steal)`` after each, and
+    ``on_rerun(round, concurrency, steal)`` before a disturbed run's rerun
     (:func:`fault_injection.sweep.run_sweep`).
 
     Why: the issue's target is against "DBOS in its fastest settings", and which setting is
@@ -361,6 +363,7 @@ def sweep_dbos(
         concurrencies=concurrencies,
         rounds=rounds,
         on_run=on_run,
+        on_rerun=on_rerun,
     )
 
 

@@ -23,6 +23,7 @@ import sqlalchemy
 from typer.testing import CliRunner, Result
 
 from fault_injection import bench, bench_cli, bench_dbos, bench_steady
+from fault_injection import sweep as sweep_module
 from fault_injection.bench import UNGROUPED_COMMITS_PER_SAGA, BenchConfig, run_bench
 from fault_injection.bench_cli import app
 from fault_injection.bench_dbos import (
@@ -67,6 +68,13 @@ STABLE_KEYS = (
     "mode",
     "workers",
 )
+
+
+@pytest.fixture(autouse=True)
+def _no_sweep_reruns(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sweeps here count their runs: this machine's own stolen CPU must not add one
+    (``fault_injection.sweep.SWEEP_RERUNS``; the rerun is tested where the steal is set)."""
+    monkeypatch.setattr(sweep_module, "SWEEP_RERUNS", 0)
 
 
 def _pair(db_urls: DbUrls) -> DatabasePair:
@@ -590,6 +598,7 @@ def test_bench_cli_finds_our_fastest_setting_first(
         "sagas": 6,
         "fastest": 2,
         "runs": [{"concurrency": c, "sagas_per_s": set_rates[c]} for c in (1, 2, 4)],
+        "set_aside": [],
     }
     assert [len(shares) for shares in steal] == [SWEEP_ROUNDS] * 3
     assert data["concurrency"] == 2
@@ -607,6 +616,28 @@ def test_bench_cli_json_says_no_sweep_ran_for_a_given_concurrency(tmp_path: Path
     assert data["concurrency_sweep"] is None
     assert data["concurrency"] == 2
     assert "alone first" not in got.output
+
+
+def test_bench_cli_runs_a_sweep_run_again_when_the_hypervisor_took_its_cpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sweep run that lost 5 % or more of the CPU is said to be set aside and runs once
+    more; the JSON keeps its reading apart from the rates that choose the setting."""
+    monkeypatch.setattr(bench_cli, "OURS_SWEEP_CONCURRENCY", (1, 2))
+    monkeypatch.setattr(sweep_module, "SWEEP_RERUNS", 1)
+    # Around each sweep run, 1 000 ticks: the first run lost 300 of them, the rest none.
+    stolen = iter([0, 300] + [300] * 20)
+    ticks = iter(range(0, 100_000, 1000))
+    monkeypatch.setattr(
+        sweep_module, "read_cpu_times", lambda: CpuTimes(total=next(ticks), steal=next(stolen))
+    )
+    got, data = _bench_json(tmp_path, "--concurrency", "auto")
+    sweep = data["concurrency_sweep"]
+    assert [run["concurrency"] for run in sweep["set_aside"]] == [1]
+    assert sweep["set_aside"][0]["steal_share"] == 0.3
+    assert [len(run["sagas_per_s"]) for run in sweep["runs"]] == [SWEEP_ROUNDS] * 2
+    assert "set aside: the hypervisor took 30% of the machine's CPU" in got.output
+    assert got.output.count("· ours C=") == 2 * SWEEP_ROUNDS + 1
 
 
 def test_bench_cli_fails_when_our_checker_fails_in_the_sweep(
