@@ -544,8 +544,9 @@ def _compare(
             ours_sagas = matched_sagas(config.sagas, pilot.dbos.elapsed_s, pilot.ours.sagas_per_s)
             out.print(
                 f"pilot (not counted; sizes the first pair) · {in_flight}: ours "
-                f"{pilot.ours.sagas_per_s:,.1f} sagas/s over {pilot.ours.sagas:,} sagas · DBOS "
-                f"{pilot.dbos.sagas_per_s:,.1f} workflows/s over {pilot.dbos.elapsed_s:.1f} s"
+                f"{pilot.ours.sagas_per_s:,.1f} sagas/s over {pilot.ours.sagas:,} sagas"
+                f"{_steal(pilot.steal)} · DBOS {pilot.dbos.sagas_per_s:,.1f} workflows/s over "
+                f"{pilot.dbos.elapsed_s:.1f} s{_steal(pilot.dbos_steal)}"
             )
             _print_problems(out, [*pilot.ours.check.problems, *pilot.dbos.problems])
         for i in range(pairs):
@@ -626,6 +627,9 @@ def _pilot_json(pilot: ComparePair) -> dict[str, Any]:
         "sagas_per_s": pilot.ours.sagas_per_s,
         "dbos_sagas_per_s": pilot.dbos.sagas_per_s,
         "dbos_elapsed_s": pilot.dbos.elapsed_s,
+        # A disturbed pilot sizes the first pair from a slowed half: the reader should see it.
+        "steal_share": pilot.steal,
+        "dbos_steal_share": pilot.dbos_steal,
         "check_ok": pilot.ours.check.ok and pilot.dbos.check_ok,
     }
 

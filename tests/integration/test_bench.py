@@ -910,6 +910,23 @@ def test_a_comparison_cautions_with_the_range_of_its_halves_stolen_shares(
     assert data["steal_share"] == median["steal_share"]
 
 
+@pytest.mark.skipif(not dbos_available(), reason="dbos is not installed (extra: bench)")
+def test_the_pilot_pair_says_what_was_stolen_from_its_halves(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pilot sizes the first counted pair from its two halves: a slowed half sizes it
+    wrong, so the pilot's line and JSON give each half's share, as a counted pair's do."""
+    _dbos_failing_on(monkeypatch, failing_call=0)
+    # The pilot: ours 0 %, DBOS 12 %; the gap before the pair; the pair: nothing.
+    left = _readings(monkeypatch, 0, 120, 0, 0, 0)
+    got, data = _compare_dbos(tmp_path, "--pairs", "1", "--match-time")
+    assert left == []
+    pilot = data["match_time_pilot"]
+    assert (pilot["steal_share"], pilot["dbos_steal_share"]) == (0.0, pytest.approx(0.12))
+    line = next(line for line in got.output.splitlines() if line.startswith("pilot "))
+    assert " sagas, steal 0% · DBOS " in line and line.endswith(" s, steal 12%")
+
+
 def test_the_alike_pairs_line_says_when_no_pair_was_alike_and_spans_several() -> None:
     def pair(ours_per_s: float, steal: float | None, dbos_steal: float | None) -> ComparePair:
         ours = SimpleNamespace(sagas_per_s=ours_per_s)
