@@ -48,6 +48,7 @@ R = TypeVar("R")
 class Rerun:
     """A sweep run set aside because the hypervisor took too much of the CPU during it."""
 
+    #: Counted from 0, as ``on_run`` counts (the JSON's ``set_aside`` from 1, as printed).
     round: int
     concurrency: int
     rate: float

@@ -100,7 +100,7 @@ def _reason(exc: BaseException, db: str) -> str:
 
 def _checked_host(host: str, port: int) -> None:
     """Refuse, before the database is opened (nothing is written then), a ``--host`` that
-    names no interface."""
+    names no interface, and a ``--port`` in use there."""
     if not host:
         # asyncio takes "" as "every interface" (0.0.0.0 and ::): a typo that exposed the shop.
         raise ServeError(

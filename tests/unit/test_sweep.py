@@ -175,7 +175,7 @@ def test_a_run_that_lost_five_percent_is_run_once_more_and_the_rerun_stands(
     monkeypatch.setattr(sweep_module, "SWEEP_RERUNS", 1)
     # A neighbour slowed C=2 in round 1 (30 %) and C=1 in round 2 (10 %, and its rerun too).
     readings = _stolen_in_each_run(monkeypatch, [0, 300, 20, 100, 100, 0])
-    speeds = iter([100.0, 60.0, 110.0, 70.0, 75.0, 105.0])  # the rates, in the order run
+    speeds = iter([100.0, 20.0, 110.0, 70.0, 75.0, 105.0])  # the rates, in the order run
     problems = iter([[], ["charge: 2 effects for 1 intents"], [], [], [], []])
     seen: list[tuple[int, int, float]] = []
     reruns: list[tuple[int, int, float]] = []
@@ -191,17 +191,18 @@ def test_a_run_that_lost_five_percent_is_run_once_more_and_the_rerun_stands(
         on_rerun=lambda r, c, steal: reruns.append((r, c, steal)),
     )
     assert readings == []
-    assert seen == [(0, 1, 100.0), (0, 2, 60.0), (0, 2, 110.0), (1, 1, 70.0), (1, 1, 75.0),
+    assert seen == [(0, 1, 100.0), (0, 2, 20.0), (0, 2, 110.0), (1, 1, 70.0), (1, 1, 75.0),
                     (1, 2, 105.0)]  # fmt: skip
     assert reruns == [(0, 2, 0.3), (1, 1, 0.1)]
-    # The set-aside readings are not in the means: C=2 is the fastest, not C=1.
+    # The set-aside readings are not in the means: with them C=1 would be the fastest
+    # (81.7 against 78.3 sagas/s), without them C=2 is (107.5 against 87.5).
     assert sweep.rates == {1: [100.0, 75.0], 2: [110.0, 105.0]}
     assert sweep.steal == {1: [0.0, 0.1], 2: [0.02, 0.0]}
     assert sweep.fastest == 2
     # A set-aside run's checker problems still fail the bench.
     assert sweep.problems == ["ours alone at C=2: charge: 2 effects for 1 intents"]
     assert sweep.as_json("sagas_per_s")["set_aside"] == [
-        {"round": 1, "concurrency": 2, "sagas_per_s": 60.0, "steal_share": 0.3},
+        {"round": 1, "concurrency": 2, "sagas_per_s": 20.0, "steal_share": 0.3},
         {"round": 2, "concurrency": 1, "sagas_per_s": 70.0, "steal_share": 0.1},
     ]
 
