@@ -560,7 +560,7 @@ async def run_mcp(
 
     from orchestrator import cli
     from orchestrator.engine import Orchestrator
-    from orchestrator.serve import _close_all, _providers
+    from orchestrator.workerproc import close_all, open_providers
 
     caller = session_caller(authz.authenticate_jwt(token, auth), room)
     # Before anything opens: a refused --tenant is one line (cli.engine_settings), and nothing
@@ -568,7 +568,7 @@ async def run_mcp(
     settings = cli.engine_settings(tenant=tenant, sqlite_writer=sqlite_writer)
     closers: list[Any] = []
     try:
-        providers = await _providers(fake_shop, app_ref, closers)
+        providers = await open_providers(fake_shop, app_ref, closers)
         orch = await Orchestrator.open(url, providers=providers, settings=settings)
         closers.append(orch)
         tools = McpTools(orch, caller, language=language)
@@ -588,7 +588,7 @@ async def run_mcp(
                 for sig in (signal.SIGTERM, signal.SIGINT):
                     loop.remove_signal_handler(sig)
     finally:
-        await _close_all(closers)
+        await close_all(closers)
 
 
 def mcp(

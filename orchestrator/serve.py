@@ -19,7 +19,6 @@ shutdown), then closes the engine and the providers, and the process exits 0.
 
 from __future__ import annotations
 
-import inspect
 import socket
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Final
@@ -31,7 +30,6 @@ from orchestrator.authz import AuthSettings
 
 if TYPE_CHECKING:
     from ledger.store import SqliteWriter
-    from providers.contract import Provider
 
 DEFAULT_DB: Final = "sqlite+aiosqlite:///agent.db"
 DB_ENV: Final = "AGENT_TXN_DB"
@@ -139,33 +137,6 @@ def _auth_settings(
         raise cli.CliFailure(f"JWT settings: {reasons}") from None
 
 
-async def _providers(
-    fake_shop: str | None, app_ref: str | None, closers: list[Any]
-) -> list[Provider]:
-    from orchestrator.workerproc import load_providers
-
-    providers: list[Provider] = []
-    if fake_shop is not None:
-        from providers.fake.shop import FakeShop
-
-        shop = await FakeShop.open(fake_shop)
-        closers.append(shop)
-        providers.extend(shop.providers())
-    if app_ref is not None:
-        loaded, closer = await load_providers(app_ref)
-        providers.extend(loaded)
-        if closer is not None and hasattr(closer, "close"):
-            closers.append(closer)
-    return providers
-
-
-async def _close_all(closers: list[Any]) -> None:
-    for closer in reversed(closers):
-        result = closer.close()
-        if inspect.isawaitable(result):
-            await result
-
-
 async def run_server(
     url: str,
     *,
@@ -186,6 +157,7 @@ async def run_server(
     from orchestrator.engine import Orchestrator
     from orchestrator.http_api import create_app
     from orchestrator.uvicorn_server import SignalledServer
+    from orchestrator.workerproc import close_all, open_providers
 
     # Before the port is bound: a refused --tenant is one line (cli.engine_settings).
     settings = cli.engine_settings(tenant=tenant, sqlite_writer=sqlite_writer)
@@ -198,7 +170,7 @@ async def run_server(
         raise cli.CliFailure(f"cannot serve on {host}:{port}: not a valid host name") from None
     closers: list[Any] = []
     try:
-        providers = await _providers(fake_shop, app_ref, closers)
+        providers = await open_providers(fake_shop, app_ref, closers)
         orch = await Orchestrator.open(url, providers=providers, settings=settings)
         closers.append(orch)
         config = uvicorn.Config(
@@ -217,7 +189,7 @@ async def run_server(
         await server.serve(sockets=[sock])
     finally:
         sock.close()
-        await _close_all(closers)
+        await close_all(closers)
 
 
 def serve(

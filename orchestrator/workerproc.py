@@ -29,7 +29,8 @@ log = structlog.get_logger(__name__)
 
 
 async def load_providers(app_ref: str) -> tuple[list[Provider], Any]:
-    """Import ``module:attribute`` and turn it into providers; also returns what to close."""
+    """Import ``module:attribute`` and turn it into providers; also returns what to close
+    (the app, if it has a ``close``; else ``None``)."""
     module_name, _, attr = app_ref.partition(":")
     if not module_name or not attr:
         raise DefinitionInvalid(details={"reason": "--app must look like module:attribute"})
@@ -44,7 +45,8 @@ async def load_providers(app_ref: str) -> tuple[list[Provider], Any]:
             if inspect.isawaitable(target):
                 target = await target
         if hasattr(target, "providers"):
-            found, closer = list(target.providers()), target
+            closer = target if callable(getattr(target, "close", None)) else None
+            found = list(target.providers())
         elif isinstance(target, Iterable) and not isinstance(target, (str, bytes, Mapping)):
             found = list(target)
         else:
@@ -53,12 +55,10 @@ async def load_providers(app_ref: str) -> tuple[list[Provider], Any]:
         # The caller's own code failed (a factory that wants arguments, a module attribute
         # that is something else): said in one line with its reason, as a bad name is.
         reason = f"loading providers from {app_ref} failed: {type(exc).__name__}: {exc}"
-        await _close_refused(target if hasattr(target, "providers") else None)
+        await _close_refused(closer)
         raise DefinitionInvalid(details={"reason": reason}) from None
     strangers = [item for item in found if not isinstance(item, Provider)]
     if not found or strangers:
-        # The caller never gets ``closer`` to close: an app that opened a pool or a client
-        # for its providers is closed here, before the refusal.
         await _close_refused(closer)
         what = f"{type(strangers[0]).__name__} {strangers[0]!r:.60}" if strangers else "nothing"
         raise DefinitionInvalid(
@@ -68,11 +68,38 @@ async def load_providers(app_ref: str) -> tuple[list[Provider], Any]:
 
 
 async def _close_refused(app: Any) -> None:
-    close = getattr(app, "close", None)
-    if not callable(close):
-        return
-    with contextlib.suppress(Exception):  # the refusal is what the user needs to see
-        result = close()
+    """The caller never gets a refused app to close: one that opened a pool or a client for
+    its providers is closed here, before the refusal."""
+    if app is not None:
+        with contextlib.suppress(Exception):  # the refusal is what the user needs to see
+            await close_all([app])
+
+
+async def open_providers(
+    fake_shop: str | None, app_ref: str | None, closers: list[Any]
+) -> list[Provider]:
+    """The providers of ``--fake-shop`` and ``--app`` (``worker``, ``serve``, ``mcp``); what
+    they opened is appended to ``closers``, for :func:`close_all` whatever fails later."""
+    providers: list[Provider] = []
+    if fake_shop is not None:
+        from providers.fake.shop import FakeShop
+
+        shop = await FakeShop.open(fake_shop)
+        closers.append(shop)
+        providers.extend(shop.providers())
+    if app_ref is not None:
+        loaded, closer = await load_providers(app_ref)
+        providers.extend(loaded)
+        if closer is not None:
+            closers.append(closer)
+    return providers
+
+
+async def close_all(closers: list[Any]) -> None:
+    """Close each, in reverse order of opening (the engine before its providers); a
+    ``close()`` may be a coroutine function or a plain one."""
+    for closer in reversed(closers):
+        result = closer.close()
         if inspect.isawaitable(result):
             await result
 
@@ -215,18 +242,7 @@ async def _serve(
     # Closed in reverse order of opening, whatever failed: the engine before the providers.
     closers: list[Any] = []
     try:
-        providers: list[Provider] = []
-        if fake_shop is not None:
-            from providers.fake.shop import FakeShop
-
-            shop = await FakeShop.open(fake_shop)
-            providers.extend(shop.providers())
-            closers.append(shop)
-        if app_ref is not None:
-            loaded, closer = await load_providers(app_ref)
-            providers.extend(loaded)
-            if closer is not None and hasattr(closer, "close"):
-                closers.append(closer)
+        providers = await open_providers(fake_shop, app_ref, closers)
         # Every log line of this process names its worker, next to the engine's tx_id / op_key.
         structlog.contextvars.bind_contextvars(worker=settings.worker_id)
         orch = await Orchestrator.open(
@@ -247,7 +263,4 @@ async def _serve(
         stop.attach(worker)
         return await worker.run(once=once)
     finally:
-        for closer in reversed(closers):
-            result = closer.close()
-            if inspect.isawaitable(result):
-                await result
+        await close_all(closers)

@@ -60,13 +60,19 @@ def build_app_that_fails() -> App:
     return OPENED[-1]
 
 
+#: An app with a ``close``, which the caller is handed to close when it stops.
+CLOSABLE = App(list(LISTED))
+
+
 @pytest.mark.parametrize(
-    ("attribute", "closes"), [("LISTED", False), ("build", False), ("SHOP", True)]
+    ("attribute", "closes"),
+    # The memory shop has providers() and no close: nothing to hand back.
+    [("LISTED", False), ("build", False), ("SHOP", False), ("CLOSABLE", True)],
 )
 async def test_a_list_a_factory_or_an_app_of_providers_loads(attribute: str, closes: bool) -> None:
     providers, closer = await load_providers(f"{__name__}:{attribute}")
     assert providers == LISTED and len(providers) == 3
-    assert closer is (SHOP if closes else None)
+    assert closer is (CLOSABLE if closes else None)
 
 
 @pytest.mark.parametrize(
