@@ -19,6 +19,7 @@ def parse_faults(spec: str) -> list[FaultRule]:
     naming the item that is not one (the CLI checks the list before it starts any worker, which
     would otherwise die of it at start, unseen)."""
     rules = []
+    shop = build_specs(0.0)  # the shop's actions, by provider
     for item in filter(None, (part.strip() for part in spec.split(","))):
         fields = item.split(":")
         if len(fields) != 4:
@@ -27,7 +28,6 @@ def parse_faults(spec: str) -> list[FaultRule]:
         provider, dot, action = target.partition(".")
         if not (provider and dot and action):
             raise ValueError(f"{item!r}: {target!r} is not provider.action (payments.charge)")
-        shop = build_specs(0.0)
         if action not in shop.get(provider, {}):
             # A rule for an action the shop has not (a typo) never fires: the fleet ran as if
             # no fault had been asked for.

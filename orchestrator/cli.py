@@ -54,7 +54,7 @@ from orchestrator.ops_cli import ops_app
 from orchestrator.principals_cli import principals_app
 from orchestrator.serve import SqliteWriterOption
 from orchestrator.serve import serve as serve_command
-from providers.fake.store import ShopDatabaseError
+from providers.fake.store import ShopDatabaseError, shop_url
 
 T = TypeVar("T")
 
@@ -360,9 +360,10 @@ def demo(
         db = _checked_url_or_exit(db, "--db")
     if provider_db is not None:
         provider_db = _checked_url_or_exit(provider_db, "--provider-db")
-        if dialects.in_memory(provider_db):
-            # The shop refuses it too, but only after the demo's folder has been made.
-            _fail("--provider-db: the fake shop needs a SQLite file, not an in-memory database")
+        try:
+            shop_url(provider_db)  # the shop's own refusal, before the demo's folder is made
+        except ShopDatabaseError as exc:
+            _fail(f"--provider-db: {exc}")
     if db is not None and provider_db is None and dialects.dialect_of(db) == "postgresql":
         _fail(
             "--provider-db is required with a PostgreSQL --db: the fake provider needs a "

@@ -59,8 +59,10 @@ class ShopDatabaseError(ValueError):
     """
 
 
-def _normalize_url(url: str | URL) -> URL:
-    """Accept plain ``sqlite://`` / ``postgresql://`` URLs and pick the async driver."""
+def shop_url(url: str | URL) -> URL:
+    """Accept plain ``sqlite://`` / ``postgresql://`` URLs and pick the async driver; raises
+    :class:`ShopDatabaseError` for a URL the shop cannot keep its database at. A command may
+    call it first, to refuse such a URL before it makes anything else."""
     parsed = make_url(url)
     backend = parsed.get_backend_name()
     if backend == "sqlite":
@@ -186,7 +188,7 @@ class Store:
     @classmethod
     async def open(cls, url: str | URL) -> Store:
         """Connect, configure the dialect and create the tables if missing."""
-        parsed = _normalize_url(url)
+        parsed = shop_url(url)
         engine = create_async_engine(parsed)
         if parsed.get_backend_name() == "sqlite":
             event.listen(engine.sync_engine, "connect", _sqlite_on_connect)
@@ -359,4 +361,12 @@ class Store:
             return [dict(row) for row in (await conn.execute(query)).mappings().all()]
 
 
-__all__ = ["CallRecord", "EffectRecord", "Store", "canonical_json", "sha256_hex"]
+__all__ = [
+    "CallRecord",
+    "EffectRecord",
+    "ShopDatabaseError",
+    "Store",
+    "canonical_json",
+    "sha256_hex",
+    "shop_url",
+]
