@@ -70,6 +70,7 @@ REVISIONS: Final[tuple[str, ...]] = (
     "0006",
     "0007",
     "0008",
+    "0009",
 )
 
 #: The newest revision this package ships: the one every store needs.

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from enum import StrEnum
-from typing import Any
+from typing import Any, Final
 
 from sqlalchemy import (
     JSON,
@@ -141,13 +141,18 @@ def _sqlite_key(table: str, column: str, target: str) -> ForeignKeyConstraint:
     return ForeignKeyConstraint([column], [target]).ddl_if(dialect="sqlite")
 
 
+#: The stored business key, tenant first (``orchestrator.keys.tenant_business_key``): a tenant of
+#: 100 characters, each escaped to 3 at most, the ``/``, and a rendered key of 256.
+STORED_BUSINESS_KEY_LENGTH: Final = 3 * 100 + 1 + 256
+
 transactions = Table(
     "transactions",
     metadata,
     Column("tx_id", String(64), primary_key=True),
     Column("definition_digest", String(64), nullable=False),
     Column("saga_name", String(200), nullable=False),
-    Column("business_key", String(256), nullable=True),
+    # ``{tenant}/{key}`` (``orchestrator.keys.tenant_business_key``, migration 0009).
+    Column("business_key", String(STORED_BUSINESS_KEY_LENGTH), nullable=True),
     Column("inputs", Json, nullable=False),
     Column("status", String(32), nullable=False),
     Column("lease_owner", String(128), nullable=True),

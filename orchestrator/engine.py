@@ -622,12 +622,18 @@ class Orchestrator:
             raise IdentifierInvalid(
                 "business key could not be rendered", details={"field": "business_key"}
             ) from exc
-        if not isinstance(value, str) or not value.strip() or len(value) > 256:
+        if (
+            not isinstance(value, str)
+            or not value.strip()
+            or len(value) > keys.BUSINESS_KEY_MAX_LENGTH
+        ):
             raise IdentifierInvalid(
                 "business key must be a non-blank string of at most 256 characters",
                 details={"field": "business_key"},
             )
-        return value
+        # Unique per tenant: another tenant's order with the same id (on a shared database) is
+        # another business intent, and must neither block this one nor show it its tx id.
+        return keys.tenant_business_key(self.settings.tenant, value)
 
     def _plan(
         self,

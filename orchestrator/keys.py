@@ -41,6 +41,25 @@ def event_key(
     return _derive("outbox", tenant, environment, provider, tx_id, event, version)
 
 
+#: The longest business key a command may render (``Orchestrator._business_key``).
+BUSINESS_KEY_MAX_LENGTH = 256
+
+
+def tenant_business_key(tenant: str, key: str) -> str:
+    """The stored form of ``key`` rendered in ``tenant``: ``{tenant}/{key}``.
+
+    Business keys are unique per tenant, not per database: tenants sharing one database must
+    not block one another's orders (nor learn one another's transaction ids from the conflict).
+    The tenant goes into the key itself, so the unique index and every lookup by key stay as
+    they are. ``%`` and ``/`` in the tenant are escaped (``%25``, ``%2F``), so the first ``/``
+    always ends the tenant and two (tenant, key) pairs never share a stored key. Migration 0009
+    wrote the keys stored before it in this form with the same escaping. At most 557
+    characters (:data:`ledger.schema.STORED_BUSINESS_KEY_LENGTH`): a tenant of 100 characters
+    all escaped, the ``/`` and a key of :data:`BUSINESS_KEY_MAX_LENGTH`."""
+    escaped = tenant.replace("%", "%25").replace("/", "%2F")
+    return f"{escaped}/{key}"
+
+
 def is_identifier(value: object) -> bool:
     """True for a non-blank id of at most 200 characters from :data:`IDENTIFIER_RE`."""
     return isinstance(value, str) and IDENTIFIER_RE.fullmatch(value) is not None

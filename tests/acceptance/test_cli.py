@@ -97,7 +97,9 @@ def tx_of(db: Path, order_id: str) -> str:
     """The transaction id of a demo order, read straight from our database."""
     with sqlite3.connect(db) as conn:
         row = conn.execute(
-            "SELECT tx_id FROM transactions WHERE business_key = ?", (f"order:{order_id}",)
+            # Stored with the demo's tenant in front (orchestrator.keys.tenant_business_key).
+            "SELECT tx_id FROM transactions WHERE business_key = ?",
+            (f"default/order:{order_id}",),
         ).fetchone()
     assert row is not None, order_id
     return str(row[0])

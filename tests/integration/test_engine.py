@@ -167,6 +167,17 @@ async def test_business_key_gives_the_first_outcome(world: World) -> None:
     assert (await world.shop.counts())["payments.charge"] == 1
 
 
+async def test_business_keys_are_per_tenant_on_a_shared_database(world: World) -> None:
+    other = await world.engine(tenant="other")
+    theirs = await other.execute(order_saga(), order("42"))
+    ours = await world.orch.execute(order_saga(), order("42"))
+    assert theirs.committed and ours.committed and ours.tx_id != theirs.tx_id
+    assert (await world.shop.counts())["payments.charge"] == 2
+    # Within one tenant the key still holds: the first outcome, no second charge.
+    assert (await other.execute(order_saga(), order("42"))).tx_id == theirs.tx_id
+    assert (await world.shop.counts())["payments.charge"] == 2
+
+
 async def test_failed_attempt_releases_the_business_key(world: World) -> None:
     from providers.fake.faults import FaultKind, FaultRule
 

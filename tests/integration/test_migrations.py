@@ -1085,3 +1085,112 @@ async def test_0006_refused_leaves_0005_and_says_why(
     assert "agent_txn_transaction_row_ok" in str(excinfo.value)
     assert await migrate.current_revision(eng) == "0005"
     assert "ck_operations_state" in (await _check_conditions(eng))["operations"]
+
+
+# -- 0009: business keys are unique per tenant -----------------------------------------------------
+
+
+async def _seed_command_of(engine: AsyncEngine, command_id: str, tenant: str) -> None:
+    await _insert(
+        engine,
+        schema.commands,
+        {
+            "command_id": command_id,
+            "tenant": tenant,
+            "name": command_id,
+            "scope_kind": "company",
+            "scope_id": "company-1",
+            "version": 2,
+            "mode": "execute",
+            "definition": {"steps": []},
+            "digest": "c" * 64,
+            "created_by": "u1",
+            "created_at": 1,
+            "updated_at": 1,
+        },
+    )
+
+
+async def _seed_execution_of(
+    engine: AsyncEngine, execution_id: str, command_id: str, tx_id: str | None
+) -> None:
+    await _insert(
+        engine,
+        schema.executions,
+        {
+            "execution_id": execution_id,
+            "command_id": command_id,
+            "command_digest": "c" * 64,
+            "tx_id": tx_id,
+            "status": "running",
+            "invoker_kind": "user",
+            "invoker_id": "u1",
+            "actor_bucket": "user:u1",
+            "origin": "manual",
+            "input_snapshot": {},
+            "authorization_snapshot": {},
+            "created_at": 1,
+            "updated_at": 1,
+        },
+    )
+
+
+async def _business_keys(engine: AsyncEngine) -> dict[str, str | None]:
+    t = schema.transactions
+    async with engine.connect() as conn:
+        rows = await conn.execute(select(t.c.tx_id, t.c.business_key))
+        return {str(r.tx_id): r.business_key for r in rows}
+
+
+async def test_0009_gives_every_stored_business_key_its_tenant_and_goes_back(
+    make_engine: EngineFactory, backend: str
+) -> None:
+    from orchestrator.keys import tenant_business_key
+
+    eng = make_engine("recipe" if backend == "sqlite" else "store")
+    await migrate.upgrade(eng, "0008")
+    odd = "a/b%c" + "x" * 95  # the longest tenant, with both escaped characters
+    await _seed_command_of(eng, "c-acme", "acme")
+    await _seed_command_of(eng, "c-odd", odd)
+    # In flight across the upgrade: linked by the transaction's execution id, by the
+    # execution's tx id only, or not at all (a Python-API saga); and a retired one.
+    await _seed_tx(eng, "tx-linked", business_key="order-1", execution_id="e-linked")
+    await _seed_execution_of(eng, "e-linked", "c-acme", "tx-linked")
+    await _seed_tx(eng, "tx-named", business_key="k" * 256)
+    await _seed_execution_of(eng, "e-named", "c-odd", "tx-named")
+    await _seed_tx(eng, "tx-api", business_key="order-2")  # no execution: tenant unknown
+    await _seed_tx(eng, "tx-old", business_key="order-9", status="compensated")
+    await _seed_tx(eng, "tx-none")
+
+    await migrate.upgrade(eng, "0009")
+    assert await _business_keys(eng) == {
+        "tx-linked": tenant_business_key("acme", "order-1"),
+        "tx-named": tenant_business_key(odd, "k" * 256),
+        "tx-api": tenant_business_key("default", "order-2"),
+        "tx-old": tenant_business_key("default", "order-9"),
+        "tx-none": None,
+    }
+    assert tenant_business_key(odd, "k" * 256).startswith("a%2Fb%25c")
+    assert len(tenant_business_key(odd, "k" * 256)) < schema.STORED_BUSINESS_KEY_LENGTH
+    with pytest.raises(IntegrityError):  # the order in flight still holds its key
+        await _seed_tx(eng, "tx-again", business_key=tenant_business_key("acme", "order-1"))
+    await _seed_tx(eng, "tx-other", business_key=tenant_business_key("other", "order-1"))
+    async with eng.connect() as conn:
+        assert await conn.run_sync(_schema_diff) == []
+
+    # Back: the tenant is stripped, which two tenants holding one key live would forbid.
+    async with eng.begin() as conn:
+        await conn.execute(
+            update(schema.transactions)
+            .where(schema.transactions.c.tx_id == "tx-other")
+            .values(status="failed")
+        )
+    await migrate.downgrade(eng, "0008")
+    keys = await _business_keys(eng)
+    assert (keys["tx-linked"], keys["tx-named"], keys["tx-api"]) == (
+        "order-1",
+        "k" * 256,
+        "order-2",
+    )
+    with pytest.raises(IntegrityError):
+        await _seed_tx(eng, "tx-again", business_key="order-1")
