@@ -28,7 +28,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import and_, case, literal, null, or_, select, update
+from sqlalchemy import and_, case, literal, null, or_, select, true, update
 from sqlalchemy.engine import Row
 from sqlalchemy.ext.asyncio import AsyncConnection
 from sqlalchemy.sql import Select
@@ -36,7 +36,7 @@ from sqlalchemy.sql.elements import ColumnElement
 
 from ledger import dialects
 from ledger.ids import time_ordered_id
-from ledger.schema import callback_runs
+from ledger.schema import callback_runs, commands, executions
 from ledger.store import Store, Work
 
 
@@ -265,8 +265,20 @@ async def record(
 REQUEUE_KINDS = ("republished", "retried", "reclaimed")
 
 
-async def requeue(work: Work, *, older_than_ms: int, limit: int) -> dict[str, int]:
-    """Operator recovery of lost deliveries, at most ``limit`` runs in all, oldest first:
+def _executions_of(tenant: str) -> Select[tuple[str]]:
+    """Execution ids of ``tenant``'s commands (tenants may share one database)."""
+    return (
+        select(executions.c.execution_id)
+        .join(commands, commands.c.command_id == executions.c.command_id)
+        .where(commands.c.tenant == tenant)
+    )
+
+
+async def requeue(
+    work: Work, *, older_than_ms: int, limit: int, tenant: str | None = None
+) -> dict[str, int]:
+    """Operator recovery of lost deliveries, at most ``limit`` runs in all, oldest first (of
+    ``tenant``'s executions only, or of every tenant's for ``None``):
 
     * ``republished``: ``pending`` runs not touched for ``older_than_ms`` are made due now
       (a backoff that an operator wants cut short, or rows no worker has looked at);
@@ -298,9 +310,10 @@ async def requeue(work: Work, *, older_than_ms: int, limit: int) -> dict[str, in
     counts = dict.fromkeys(REQUEUE_KINDS, 0)
     if limit < 1:
         return counts
+    mine = true() if tenant is None else c.execution_id.in_(_executions_of(tenant))
     picked = (
         select(c.run_id)
-        .where(or_(*conditions.values()))
+        .where(or_(*conditions.values()), mine)
         .order_by(c.updated_at, c.run_id)
         .limit(limit)
     )

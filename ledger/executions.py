@@ -19,9 +19,11 @@ from typing import Any
 from sqlalchemy import delete, select, update
 from sqlalchemy.engine import Row
 from sqlalchemy.ext.asyncio import AsyncConnection
+from sqlalchemy.sql.elements import ColumnElement
 
 from ledger.schema import (
     callback_runs,
+    commands,
     executions,
     idempotency_reservations,
     staged_actions,
@@ -168,11 +170,20 @@ async def finish(work: Work, execution_id: str, *, status: str, **changes: Any) 
         raise LookupError(f"no execution {execution_id!r}")
 
 
-async def prune(work: Work, *, cutoff_ms: int) -> int:
+def of_tenant(tenant: str) -> ColumnElement[bool]:
+    """An execution of one of ``tenant``'s commands (tenants may share one database; an
+    execution is its command's tenant's, through ``command_id``)."""
+    return executions.c.command_id.in_(
+        select(commands.c.command_id).where(commands.c.tenant == tenant)
+    )
+
+
+async def prune(work: Work, *, cutoff_ms: int, tenant: str | None = None) -> int:
     """Delete finished (``succeeded`` / ``failed``) executions created before ``cutoff_ms``, with
     their callback runs, staged actions, staged changes and the idempotency reservations naming
     them; the number of executions deleted. ``staged``, ``running`` and ``manual_review`` rows
-    are kept whatever their age.
+    are kept whatever their age. ``tenant``: only that tenant's executions (``None``: every
+    tenant's, for whoever holds the database).
 
     The victims are selected first (locked on PostgreSQL, so a callback enqueued concurrently for
     one of them waits for this transaction instead of failing its foreign key), then deleted by id
@@ -181,6 +192,8 @@ async def prune(work: Work, *, cutoff_ms: int) -> int:
     stmt = select(executions.c.execution_id).where(
         executions.c.status.in_(PRUNABLE), executions.c.created_at < cutoff_ms
     )
+    if tenant is not None:
+        stmt = stmt.where(of_tenant(tenant))
     if work.store.dialect == "postgresql":
         stmt = stmt.with_for_update()
     victims = [str(v) for v in (await work.conn.execute(stmt)).scalars()]

@@ -1030,8 +1030,9 @@ def create_app(orch: Orchestrator, auth: AuthSettings) -> FastAPI:
     async def prune_executions(operator: Operator) -> JSONResponse:
         """Delete succeeded and failed execution records older than 180 days (staged never, the
         ledger never)."""
-        del operator  # checked by the dependency; the job itself is not per principal
-        return JSONResponse(await ops.prune(orch.store))
+        del operator  # checked by the dependency, in this server's tenant
+        # The operator's own tenant only: tenants may share the database.
+        return JSONResponse(await ops.prune(orch.store, tenant=orch.commands.tenant))
 
     @app.post(
         "/v1/ops/callbacks/requeue",
@@ -1047,7 +1048,9 @@ def create_app(orch: Orchestrator, auth: AuthSettings) -> FastAPI:
         age = body.older_than_seconds
         if math.isfinite(age):
             age = min(age, MAX_REQUEUE_AGE_SECONDS)
-        result = await ops.requeue_callbacks(orch.store, older_than_seconds=age, limit=body.limit)
+        result = await ops.requeue_callbacks(
+            orch.store, older_than_seconds=age, limit=body.limit, tenant=orch.commands.tenant
+        )
         return JSONResponse(result)
 
     return app

@@ -15,6 +15,11 @@ background job: deleting audit records is a decision somebody takes, on a day th
 Who may call them is decided by :func:`is_operator`: a principal holding ``manage`` on
 ``agent-txn.ops`` (see :data:`OPS_PROVIDER`, :data:`OPS_ACTION`). The CLI is trusted (whoever can
 reach the database is an operator already); the HTTP layer checks it.
+
+Tenants may share one database, and an operator is a principal of one tenant: both jobs take a
+``tenant`` and then touch only the executions of that tenant's commands (and their callback
+runs). The HTTP routes always pass the tenant the server serves; the CLI acts on every tenant
+unless given ``--tenant``.
 """
 
 from __future__ import annotations
@@ -67,9 +72,14 @@ def _is_int(value: Any) -> bool:
 
 
 async def prune(
-    store: Store, *, now_ms: int | None = None, retention_days: int = RETENTION_DAYS
+    store: Store,
+    *,
+    now_ms: int | None = None,
+    retention_days: int = RETENTION_DAYS,
+    tenant: str | None = None,
 ) -> dict[str, Any]:
-    """Delete finished execution records older than ``retention_days`` (by ``created_at``).
+    """Delete finished execution records older than ``retention_days`` (by ``created_at``), of
+    ``tenant``'s commands only (``None``: of every tenant's).
 
     Returns exactly ``{"pruned": n, "retention_days": days, "cutoff": "<ISO-8601 UTC>"}``.
     ``now_ms`` defaults to the store's clock — the clock ``created_at`` was written with — and is
@@ -81,7 +91,7 @@ async def prune(
     now = store.now_ms() if now_ms is None else now_ms
     cutoff = now - retention_days * DAY_MS
     async with store.transaction() as work:
-        pruned = await executions.prune(work, cutoff_ms=cutoff)
+        pruned = await executions.prune(work, cutoff_ms=cutoff, tenant=tenant)
     return {"pruned": pruned, "retention_days": retention_days, "cutoff": utc_iso(cutoff)}
 
 
@@ -90,8 +100,10 @@ async def requeue_callbacks(
     *,
     older_than_seconds: float = REQUEUE_DEFAULT_OLDER_THAN_SECONDS,
     limit: int = REQUEUE_DEFAULT_LIMIT,
+    tenant: str | None = None,
 ) -> dict[str, int]:
     """Recover lost callback deliveries; ``{"republished": n, "retried": n, "reclaimed": n}``.
+    Only the runs of ``tenant``'s executions (``None``: every tenant's).
 
     ``older_than_seconds`` (>= 0) is how long a pending or running run must have been left alone
     to count as stale; ``limit`` (1..2000) bounds the runs changed in all, oldest first. Invalid
@@ -111,7 +123,10 @@ async def requeue_callbacks(
         raise RequestInvalid(details={"errors": problems})
     async with store.transaction() as work:
         return await callbacks.requeue(
-            work, older_than_ms=int(min(older_than_seconds, 1e12) * 1000), limit=limit
+            work,
+            older_than_ms=int(min(older_than_seconds, 1e12) * 1000),
+            limit=limit,
+            tenant=tenant,
         )
 
 

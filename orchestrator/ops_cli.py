@@ -4,6 +4,9 @@
   the ledger never);
 * ``ops requeue-callbacks`` recovers lost callback deliveries.
 
+Both act on every tenant sharing the database unless given ``--tenant`` (the HTTP routes always
+act on the server's own tenant).
+
 Operator-triggered only: nothing here schedules itself. Whoever can open the database is trusted
 as an operator (the HTTP routes check :func:`orchestrator.ops.is_operator` instead). Every
 subcommand takes ``--db`` like the rest of the CLI, opens the store with ``auto_upgrade="never"``
@@ -43,6 +46,17 @@ DbOption = Annotated[
     ),
 ]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print the result as JSON.")]
+TenantOption = Annotated[
+    str | None,
+    typer.Option(
+        "--tenant", help="Only this tenant's execution records (default: every tenant's)."
+    ),
+]
+
+
+def _tenant(tenant: str | None) -> str | None:
+    # Refused as ``principals list --tenant`` refuses it: '' would select nothing, silently.
+    return None if tenant is None else checked_text(tenant, "--tenant", 100)
 
 
 def _run(db: str, job: Callable[[Store], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
@@ -69,9 +83,12 @@ def _print(result: dict[str, Any], as_json: bool, text: str) -> None:
 
 
 @ops_app.command("prune")
-def prune(db: DbOption = DEFAULT_DB, as_json: JsonOption = False) -> None:
+def prune(
+    db: DbOption = DEFAULT_DB, tenant: TenantOption = None, as_json: JsonOption = False
+) -> None:
     """Delete succeeded and failed execution records older than 180 days (staged never)."""
-    result = _run(db, lambda store: ops.prune(store))
+    scope = _tenant(tenant)
+    result = _run(db, lambda store: ops.prune(store, tenant=scope))
     _print(
         result,
         as_json,
@@ -90,15 +107,17 @@ def requeue_callbacks(
     limit: Annotated[
         int, typer.Option(help=f"Most runs to change, 1..{ops.REQUEUE_MAX_LIMIT}.")
     ] = ops.REQUEUE_DEFAULT_LIMIT,
+    tenant: TenantOption = None,
     as_json: JsonOption = False,
 ) -> None:
     """Republish stale pending, retry eligible failed, reclaim stale running callback runs."""
     # Range checks live in ops.requeue_callbacks (one rule for CLI and HTTP), so a bad value
     # ends as the same one-line request_invalid error here.
+    scope = _tenant(tenant)
     result = _run(
         db,
         lambda store: ops.requeue_callbacks(
-            store, older_than_seconds=older_than_seconds, limit=limit
+            store, older_than_seconds=older_than_seconds, limit=limit, tenant=scope
         ),
     )
     _print(

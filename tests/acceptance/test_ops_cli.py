@@ -135,6 +135,20 @@ def test_requeue_callbacks_republishes_stale_runs_within_the_limit(db: str) -> N
     assert with_store(db, states) == [("pending", None)] * 4
 
 
+def test_tenant_scopes_both_jobs_to_that_tenants_records(db: str) -> None:
+    # Every record of the fixture is an execution of tenant acme's command.
+    requeue = ("ops", "requeue-callbacks", "--db", db, "--json")
+    assert json.loads(ok(*requeue, "--tenant", "other"))["republished"] == 0
+    assert json.loads(ok("ops", "prune", "--db", db, "--tenant", "other", "--json"))["pruned"] == 0
+    assert _execution_ids(db) == {"old-ok", "old-ko", "old-staged", "young"}
+    assert json.loads(ok(*requeue, "--tenant", "acme"))["republished"] == 3
+    assert json.loads(ok("ops", "prune", "--db", db, "--tenant", "acme", "--json"))["pruned"] == 2
+    assert _execution_ids(db) == {"old-staged", "young"}
+    for command in ("prune", "requeue-callbacks"):
+        result = run("ops", command, "--db", db, "--tenant", "")
+        assert result.exit_code == 2 and "--tenant" in result.stderr, result.stderr
+
+
 @pytest.mark.parametrize(
     "extra",
     [("--limit", "0"), ("--limit", "2001"), ("--older-than-seconds", "-1")],

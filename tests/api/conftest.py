@@ -60,6 +60,8 @@ class Api:
     client: httpx.AsyncClient
     orch: Orchestrator
     shop: FakeShop
+    #: The tenant the app serves and its principals belong to.
+    tenant: str = TENANT
 
     async def add_user(
         self,
@@ -78,7 +80,7 @@ class Api:
             await principals.add_principal(
                 work,
                 principal_id=principal_id,
-                tenant=TENANT,
+                tenant=self.tenant,
                 kind=kind,
                 name=principal_id,
                 verified=verified,
