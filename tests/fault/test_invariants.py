@@ -261,7 +261,7 @@ async def test_second_live_charge_for_one_business_intent_is_caught(world: World
 
     assert "double_charge" in _found(report, 1), _explain(report)
     intent = next(v for v in report.violations if v.name == "double_charge")
-    assert intent.evidence["business_intent"] == "order:42"
+    assert intent.evidence["business_intent"] == "default/order:42"  # tenant first
     assert {c["tx_id"] for c in intent.evidence["charges"]} == {first.tx_id, retry.tx_id}
     # ... and the hollow compensation itself is caught from the shop's business state.
     assert "reversal_not_in_business_state" in _found(report, 3)
