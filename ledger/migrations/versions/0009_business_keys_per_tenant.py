@@ -27,6 +27,10 @@ it a second time.
   should let its business-keyed transactions settle before upgrading: a live one would hold
   ``default/…`` and not block the same order under its real tenant.
 
+Engines of the previous version must be stopped before the upgrade (a new one refuses to start
+on an older schema, an old one on this): one still running would go on writing keys without a
+tenant, which the new engines never compare with.
+
 The unique index is dropped while the keys are rewritten (a key rewritten first could transiently
 equal another not rewritten yet, ``x`` of tenant ``default`` and a legacy key ``default/x``) and
 made again, as it was, afterwards. The column widens to 557 characters (a tenant of 100, each
