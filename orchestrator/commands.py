@@ -273,6 +273,9 @@ class CommandService:
             row = await self._visible(conn, command_id)
             principal = await self._principal(conn, caller, row)
             settings = await self._settings_map(conn)
+        # Replacing is deleting what is stored and authoring the new: the caller must manage the
+        # actions of both (else a manager of one action could cut another's steps out).
+        self._require_manager(principal, StoredCommand.from_stored(row.definition))
         stored = definitions.normalize(raw, registry=self.orch.registry, settings=settings)
         self._require_manager(principal, stored)
         saga_digest = await self._register_saga(stored)

@@ -10,12 +10,14 @@ do not exist or fail unexpectedly.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
 import jwt
 import pytest
 
+from ledger import action_settings
 from ledger.errors import StoreUnavailable
 from orchestrator.errors import REGISTRY, envelope
 from providers.fake.faults import FaultKind, FaultRule
@@ -584,3 +586,27 @@ async def test_healthz_needs_no_credentials_and_openapi_is_published(api: Api) -
     execute = paths["/v1/commands/{command_id}/execute"]["post"]
     assert {"200", "400", "403", "404", "409", "422"} <= set(execute["responses"])
     assert SECRET not in str(spec)
+
+
+# -- keys held by someone else, replacing and deleting (audit findings) --------------------------
+
+BY_ORDER = {"$concat": ["order:", {"$ref": "inputs.order_id"}]}
+
+
+async def test_put_needs_manage_on_the_stored_actions_too(api: Api) -> None:
+    await api.add_user("alice")
+    await api.add_user("dave", actions=(("inventory", "reserve"), ("inventory", "release")))
+    created = await api.create("alice")
+    url = f"/v1/commands/{created['command_id']}"
+    inventory_only = order_command(outbox=[], result=None)
+    inventory_only["steps"] = inventory_only["steps"][:1]
+    assert (await api.client.delete(url, headers=bearer("dave"))).status_code == 403
+    replaced = await api.client.put(
+        url, json={"definition": inventory_only}, headers=bearer("dave")
+    )
+    assert replaced.status_code == 403  # before: 200, and alice's charge step was gone
+    assert replaced.json() == DENIED_AUTHOR
+    got = await api.client.get(url, headers=bearer("alice"))
+    assert got.json()["digest"] == created["digest"]
+
+
