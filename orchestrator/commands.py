@@ -704,7 +704,12 @@ class CommandService:
                 ttl_ms=IDEMPOTENCY_TTL_MS,
             )
         if not ok:
-            raise IdempotencyInProgress(details={"execution_id": execution_id})
+            # Another request with this key won the race (it committed its reservation with its
+            # execution): name that execution, not this attempt's, which is never written.
+            held = await reservations.get(work.conn, row.command_id, caller.bucket, key)
+            if held is None:
+                raise LockConflict()  # released since: the retry reserves it afresh
+            raise IdempotencyInProgress(details={"execution_id": held.execution_id})
 
     async def _with_lock_retries(self, attempt_once: Callable[[], Awaitable[Any]]) -> Any:
         """Lock contention is retried a bounded number of times, then ``command_lock_conflict``;

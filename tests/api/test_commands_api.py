@@ -610,3 +610,28 @@ async def test_put_needs_manage_on_the_stored_actions_too(api: Api) -> None:
     assert got.json()["digest"] == created["digest"]
 
 
+async def test_a_key_lost_in_a_race_names_an_execution_that_exists(api: Api) -> None:
+    await api.add_user("alice", permissions=("manage", "execute", "read"))
+    command_id = (await api.create("alice"))["command_id"]
+    both_checked = asyncio.Barrier(2)
+
+    async def after_validation() -> None:
+        await both_checked.wait()
+
+    api.orch.commands.between_validation_and_apply = after_validation
+    responses = await asyncio.gather(
+        *(api.execute("alice", command_id, idempotency_key="same") for _ in range(2))
+    )
+    api.orch.commands.between_validation_and_apply = None
+    assert sorted(r.status_code for r in responses) == [200, 409], [r.text for r in responses]
+    won = next(r for r in responses if r.status_code == 200)
+    lost = next(r for r in responses if r.status_code == 409)
+    detail = _error(lost.json())
+    assert detail["error"] == "idempotency_in_progress" and detail["retryable"] is True
+    named = detail["details"]["execution_id"]
+    assert named == won.json()["execution_id"]  # before: the loser's own, never-written id
+    got = await api.client.get(
+        f"/v1/commands/{command_id}/executions/{named}", headers=bearer("alice")
+    )
+    assert got.status_code == 200
+    assert (await api.shop.counts())["payments.charge"] == 1
