@@ -46,13 +46,22 @@ from typing import TYPE_CHECKING, Any, Final, Literal
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import text
 
-from ledger import action_settings, commands, executions, principals, reservations, staged
+from ledger import (
+    action_settings,
+    commands,
+    executions,
+    principals,
+    reservations,
+    staged,
+    transactions,
+)
 from ledger import callbacks as callback_runs
 from ledger.canonical import NotCanonicalizable, canonical_json, fingerprint
 from ledger.commands import CommandRow
 from ledger.errors import StorageError, StoreBusy
 from ledger.executions import ExecutionRow
 from ledger.ids import time_ordered_id
+from ledger.states import TxState
 from ledger.store import Work
 from orchestrator import audit, authz, budgets, definitions, expressions
 from orchestrator.authz import Caller, Principal
@@ -62,6 +71,7 @@ from orchestrator.errors import (
     AgentTxnError,
     ApprovalRequired,
     AssertionFailed,
+    BusinessKeyCommitted,
     BusinessKeyConflict,
     CapExceeded,
     CardinalityFailed,
@@ -759,22 +769,41 @@ class CommandService:
                 prepare_hook=writer,
             )
         )
+        if result.tx_id != tx_id:
+            raise await self._business_key_held(result.tx_id)
         return await self._respond(execution_id, result)
 
-    async def _respond(
-        self, execution_id: str, result: SagaResult, *, existed: bool = False
-    ) -> Outcome:
-        """Map a driven execution to what the caller receives. ``existed``: the record was
-        written before this call drove it (an approved staged plan)."""
+    async def _business_key_held(self, holder_tx_id: str) -> AgentTxnError:
+        """Why a plan answered with another transaction: that one holds the business key, and
+        the plan's commit (with this call's records and ``extra`` rows) was rolled back.
+
+        A committed holder keeps the key for good: the business action already ran, and a
+        retry can never succeed (``business_key_committed``). Any other holder may still fail
+        and free it (``business_key_conflict``, retryable). Both name the holder's transaction
+        and execution; the execution is readable only by those who may see it."""
+        async with self._read() as conn:
+            holder = await transactions.get(conn, holder_tx_id)
+        if holder is None:
+            # Pruned since it answered: its key is free again, so a retry can run.
+            return BusinessKeyConflict(details={"tx_id": holder_tx_id})
+        details = audit.compact(
+            {
+                "business_key": holder.business_key,
+                "tx_id": holder.tx_id,
+                "execution_id": holder.execution_id,
+            }
+        )
+        if holder.status is TxState.COMMITTED:
+            return BusinessKeyCommitted(details=details)
+        return BusinessKeyConflict(details=details)
+
+    async def _respond(self, execution_id: str, result: SagaResult) -> Outcome:
+        """Map a driven execution (whose plan landed) to what the caller receives."""
         async with self._read() as conn:
             record = await executions.get(conn, execution_id)
-        if record is None and existed:
-            # It was there when the plan ran: pruned or deleted since, not a plan that never
-            # landed, so a retry would not help.
-            raise ExecutionNotFound()
         if record is None:
-            # The plan did not land: another transaction holds (or committed) the business key.
-            raise BusinessKeyConflict(details={"tx_id": result.tx_id})
+            # It was written with the plan: pruned or deleted since, so a retry would not help.
+            raise ExecutionNotFound()
         body = audit.view(record)
         if record.status == "succeeded":
             if result.output is not None:
@@ -833,7 +862,7 @@ class CommandService:
             staged_change_id=staged_change_id,
             extra=extras,
         )
-        await self._with_lock_retries(
+        landed = await self._with_lock_retries(
             lambda: self.orch.stage(
                 saga,
                 prepared.inputs,
@@ -843,6 +872,10 @@ class CommandService:
                 prepare_hook=writer,
             )
         )
+        if landed != tx_id:
+            # Another transaction holds the business key: nothing of this call was written, so
+            # no proposal, token or staged change may be answered from it.
+            raise await self._business_key_held(landed)
         return execution_id
 
     async def _approvals_needed(self, stored: StoredCommand) -> builtins.list[tuple[str, str]]:
@@ -929,7 +962,7 @@ class CommandService:
                 tx_id, budget_seconds=budget_seconds, prepare_hook=decide
             )
         )
-        return await self._respond(record.execution_id, result, existed=True)
+        return await self._respond(record.execution_id, result)
 
     async def reject(
         self, approver: Caller, staged_change_id: str, *, reason: str | None = None

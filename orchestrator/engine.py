@@ -697,8 +697,19 @@ class Orchestrator:
             return await self.result(tx_id)
         if holder is not None:
             if holder.status is TxState.COMMITTED:
+                # The business action already ran: its outcome, never a second run. (The
+                # commands layer, whose callers may not see it, answers business_key_committed.)
                 return await self.result(holder.tx_id)
-            raise BusinessKeyConflict(details={"business_key": business_key, "tx_id": holder.tx_id})
+            # Still in flight: it may yet fail or be compensated and free the key (retryable).
+            raise BusinessKeyConflict(
+                details=audit.compact(
+                    {
+                        "business_key": business_key,
+                        "tx_id": holder.tx_id,
+                        "execution_id": holder.execution_id,
+                    }
+                )
+            )
         raise LockConflict()  # a concurrent writer won the race for a key we could not see
 
     # -- recovery -------------------------------------------------------------------------------

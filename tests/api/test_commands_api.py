@@ -593,6 +593,57 @@ async def test_healthz_needs_no_credentials_and_openapi_is_published(api: Api) -
 BY_ORDER = {"$concat": ["order:", {"$ref": "inputs.order_id"}]}
 
 
+async def _order_42_committed(api: Api) -> tuple[str, str]:
+    """alice's order command with a business key, order o-1 already charged once."""
+    await api.add_user("alice", permissions=("manage", "execute", "read"), rooms=["r1"])
+    command_id = (await api.create("alice", order_command(business_key=BY_ORDER)))["command_id"]
+    first = await api.execute("alice", command_id, idempotency_key="first")
+    assert first.status_code == 200, first.text
+    return str(command_id), first.headers["X-Execution-Id"]
+
+
+def _names_the_first(response: Any, first_execution: str, phase: str) -> None:
+    assert response.status_code == 409, response.text
+    detail = _error(response.json())
+    assert detail["error"] == "business_key_committed" and detail["phase"] == phase
+    assert detail["retryable"] is False
+    assert detail["details"]["business_key"] == "order:o-1"
+    assert detail["details"]["execution_id"] == first_execution
+    assert "X-Execution-Id" not in response.headers  # nothing of this call was written
+
+
+async def test_a_committed_business_key_is_a_final_409_naming_the_first(api: Api) -> None:
+    command_id, first = await _order_42_committed(api)
+    before = await api.counts()
+    again = await api.execute("alice", command_id, idempotency_key="second")
+    _names_the_first(again, first, "execute")
+    assert await api.counts() == before
+    named = await api.client.get(
+        f"/v1/commands/{command_id}/executions/{first}", headers=bearer("alice")
+    )
+    assert named.status_code == 200 and named.json()["status"] == "succeeded"
+
+
+async def test_prepare_and_gated_execute_never_answer_a_plan_that_did_not_land(api: Api) -> None:
+    command_id, first = await _order_42_committed(api)
+    before = await api.counts()
+    # Before: 200 with a proposal and a confirmation token nothing stood behind.
+    prepared = await api.client.post(
+        f"/v1/commands/{command_id}/prepare",
+        json={"inputs": order_inputs()},
+        headers=bearer("alice", room="r1", ai=True),
+    )
+    _names_the_first(prepared, first, "stage")
+    async with api.orch.store.transaction() as work:
+        await action_settings.put(
+            work, "payments", "charge", requires_approval=True, approval_policy=None
+        )
+    # Before: 409 approval_required with a staged change and an X-Execution-Id that 404.
+    gated = await api.execute("alice", command_id, idempotency_key="gated")
+    _names_the_first(gated, first, "execute")
+    assert await api.counts() == before
+
+
 async def test_put_needs_manage_on_the_stored_actions_too(api: Api) -> None:
     await api.add_user("alice")
     await api.add_user("dave", actions=(("inventory", "reserve"), ("inventory", "release")))
