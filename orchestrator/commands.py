@@ -358,15 +358,37 @@ class CommandService:
         return company, rooms
 
     async def delete(self, caller: Caller, command_id: str) -> None:
-        """Soft-delete a command (its executions stay readable)."""
+        """Soft-delete a command (its executions stay readable) and, in the same commit, release
+        every plan it staged that nobody decided yet.
+
+        A deleted command's plan can never run (approve and confirm re-read the command under
+        its lock and refuse), so a plan left ``staged`` would hold its idempotency key and its
+        business key forever. Each one is retired as a rejection is: its staged change
+        ``rejected`` by the deleter (an agent's unconfirmed action ``released``), its record
+        ``failed`` with ``staged_released``, its key freed, its transaction ``staged → failed``
+        in the ledger, its ``failed`` callbacks queued."""
         authz.require_jwt(caller)
         async with self._read() as conn:
             row = await self._visible(conn, command_id)
             principal = await self._principal(conn, caller, row)
         self._require_manager(principal, StoredCommand.from_stored(row.definition))
         async with self.orch.store.transaction() as work:
+            # First: the update locks the command row, so a plan staged concurrently either
+            # committed before (and is read below) or sees the command deleted and aborts.
             if not await commands.soft_delete(work, command_id):
                 raise CommandNotFound()
+            for record in await executions.staged_of(work.conn, command_id):
+                retired = await self._retire_staged(
+                    work,
+                    record,
+                    staged_change_id=record.staged_change_id,
+                    decided_by=caller.principal_id,
+                    reason="command deleted",
+                    code="staged_released",
+                )
+                # A staged record always names its transaction (see approve()).
+                if retired is not None and record.tx_id is not None:
+                    await self.orch.release_staged_in(work, record.tx_id, code="staged_released")
 
     def _require_manager(self, principal: Principal, stored: StoredCommand) -> None:
         resources = sorted(stored.data["dependency_contract"]["actions"])
@@ -972,37 +994,16 @@ class CommandService:
         decided: list[ExecutionRow] = []
 
         async def decide(work: Work) -> None:
-            if not await staged.decide_change(
+            failed = await self._retire_staged(
                 work,
-                staged_change_id,
-                to_state="rejected",
+                record,
+                staged_change_id=staged_change_id,
                 decided_by=approver.principal_id,
                 reason=_bounded(reason),
-            ):
-                raise StagedChangeDecided()
-            code, text_ = audit.error_of({"code": "approval_rejected"})
-            await executions.finish(
-                work,
-                record.execution_id,
-                status="failed",
-                error_code=code,
-                error=text_,
-                response=None,
-                duration_ms=max(0, work.now_ms - record.created_at),
+                code="approval_rejected",
             )
-            if record.idempotency_key is not None:
-                await reservations.release(
-                    work,
-                    command_id=record.command_id,
-                    bucket=record.actor_bucket,
-                    key=record.idempotency_key,
-                    execution_id=record.execution_id,
-                )
-            failed = await executions.get(work.conn, record.execution_id)
-            # ``finish`` just updated it in this transaction (it raises when the row is gone),
-            # and on PostgreSQL holds its row lock: it cannot vanish before the read.
-            assert failed is not None
-            await audit.enqueue_callbacks(work, failed, "failed")
+            if failed is None:
+                raise StagedChangeDecided()
             decided.append(failed)
 
         # See approve(): a staged change's record always names its transaction.
@@ -1012,16 +1013,73 @@ class CommandService:
         # it may be pruned at any moment, and the rejection happened either way.
         return audit.view(decided[-1])
 
+    async def _retire_staged(
+        self,
+        work: Work,
+        record: ExecutionRow,
+        *,
+        staged_change_id: str | None,
+        decided_by: str,
+        reason: str | None,
+        code: str,
+    ) -> ExecutionRow | None:
+        """Close ``record``'s staged plan without running it, in ``work``: its staged change
+        ``rejected`` (or, with none, the agent's unconfirmed action ``released``) by
+        compare-and-set, the record ``failed`` with ``code``, its idempotency key released, and
+        a staged change's ``failed`` callbacks queued. ``None`` when somebody decided it first.
+        The transaction is the caller's to release (its ledger row commits with this)."""
+        if staged_change_id is not None:
+            moved = await staged.decide_change(
+                work, staged_change_id, to_state="rejected", decided_by=decided_by, reason=reason
+            )
+        else:
+            action = await staged.action_of(work.conn, record.execution_id)
+            moved = action is not None and await staged.move_action(
+                work, action.token_sha256, from_state="pending", to_state="released"
+            )
+        if not moved:
+            return None
+        error_code, error_text = audit.error_of({"code": code})
+        await executions.finish(
+            work,
+            record.execution_id,
+            status="failed",
+            error_code=error_code,
+            error=error_text,
+            response=None,
+            duration_ms=max(0, work.now_ms - record.created_at),
+        )
+        if record.idempotency_key is not None:
+            await reservations.release(
+                work,
+                command_id=record.command_id,
+                bucket=record.actor_bucket,
+                key=record.idempotency_key,
+                execution_id=record.execution_id,
+            )
+        failed = await executions.get(work.conn, record.execution_id)
+        # ``finish`` just updated it in this transaction (it raises when the row is gone), and
+        # on PostgreSQL holds its row lock: it cannot vanish before the read.
+        assert failed is not None
+        if staged_change_id is not None:
+            # Its "staged" callbacks went out; an agent's unconfirmed proposal queued none.
+            await audit.enqueue_callbacks(work, failed, "failed")
+        return failed
+
     async def _decidable(
         self, approver: Caller, staged_change_id: str
     ) -> tuple[staged.StagedChangeRow, ExecutionRow, CommandRow]:
-        """The pending change, its execution and command, and proof the approver may decide."""
+        """The pending change, its execution and command, and proof the approver may decide.
+
+        A deleted command's change is found too: delete releases its pending changes, so it
+        answers ``staged_change_decided``; one stranded by an older version can still be
+        rejected (approve refuses it: the command is re-read under its lock)."""
         authz.require_jwt(approver)
         async with self._read() as conn:
             change = await staged.get_change(conn, staged_change_id)
             if change is None:
                 raise StagedChangeNotFound()
-            row = await commands.get(conn, change.command_id)
+            row = await commands.get(conn, change.command_id, include_deleted=True)
             record = await executions.get(conn, change.execution_id)
             if row is None or record is None or row.tenant != self.tenant:
                 raise StagedChangeNotFound()

@@ -554,8 +554,13 @@ class Orchestrator:
         async with self.store.transaction() as work:
             if hook is not None:
                 await hook(work)
-            chain = await events.chain_of(work.conn, tx_id)
-            return await transactions.release_staged(work, chain, tx_id, error={"code": code})
+            return await self.release_staged_in(work, tx_id, code=code)
+
+    async def release_staged_in(self, work: Work, tx_id: str, *, code: str) -> bool:
+        """:meth:`release_staged` inside the caller's own transaction, for a caller that retires
+        several plans in one commit (deleting a command retires every plan it staged)."""
+        chain = await events.chain_of(work.conn, tx_id)
+        return await transactions.release_staged(work, chain, tx_id, error={"code": code})
 
     async def _drive_in_call(self, run: SagaRun, first: Any, budget_seconds: float | None) -> None:
         budget = self.settings.execute_budget_seconds if budget_seconds is None else budget_seconds

@@ -846,7 +846,8 @@ def create_app(orch: Orchestrator, auth: AuthSettings) -> FastAPI:
         responses=_responses(*common),
     )
     async def delete_command(command_id: CommandId, who: Who) -> Response:
-        """Soft-delete a command; its executions stay readable."""
+        """Soft-delete a command; its executions stay readable, and the plans it staged that
+        nobody decided are released in the same commit."""
         await service.delete(who, command_id)
         return Response(status_code=204)
 

@@ -661,6 +661,34 @@ async def test_put_needs_manage_on_the_stored_actions_too(api: Api) -> None:
     assert got.json()["digest"] == created["digest"]
 
 
+async def test_delete_releases_the_commands_staged_changes(api: Api) -> None:
+    async with api.orch.store.transaction() as work:
+        await action_settings.put(
+            work, "payments", "charge", requires_approval=True, approval_policy=None
+        )
+    await api.add_user("alice", permissions=("manage", "execute", "read"))
+    await api.add_user("approver", permissions=("approve", "read"))
+    command_id = (await api.create("alice", order_command(business_key=BY_ORDER)))["command_id"]
+    staged = await api.execute("alice", command_id, idempotency_key="k")
+    assert staged.status_code == 409
+    change = _error(staged.json())["details"]["staged_change_id"]
+    execution_id = staged.headers["X-Execution-Id"]
+    deleted = await api.client.delete(f"/v1/commands/{command_id}", headers=bearer("alice"))
+    assert deleted.status_code == 204
+    for decision in ("approve", "reject"):  # before: 404 staged_change_not_found
+        late = await api.client.post(
+            f"/v1/staged-changes/{change}/{decision}", headers=bearer("approver")
+        )
+        assert late.status_code == 409
+        assert late.json() == {"detail": envelope("staged_change_decided", phase="stage")}
+    record = await api.client.get(
+        f"/v1/commands/{command_id}/executions/{execution_id}", headers=bearer("alice")
+    )
+    assert record.status_code == 200
+    assert (record.json()["status"], record.json()["error_code"]) == ("failed", "staged_released")
+    assert (await api.shop.counts())["inventory.reserve"] == 0
+
+
 async def test_a_key_lost_in_a_race_names_an_execution_that_exists(api: Api) -> None:
     await api.add_user("alice", permissions=("manage", "execute", "read"))
     command_id = (await api.create("alice"))["command_id"]
