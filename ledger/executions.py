@@ -148,6 +148,17 @@ async def list_(
     return [_row(r) for r in await conn.execute(stmt)]
 
 
+async def staged_of(conn: AsyncConnection, command_id: str) -> list[ExecutionRow]:
+    """The command's executions still ``staged`` (plans waiting for a person), oldest first;
+    read through ``ix_executions_command_created``."""
+    stmt = (
+        select(executions)
+        .where(executions.c.command_id == command_id, executions.c.status == "staged")
+        .order_by(executions.c.created_at, executions.c.execution_id)
+    )
+    return [_row(r) for r in await conn.execute(stmt)]
+
+
 async def finish(work: Work, execution_id: str, *, status: str, **changes: Any) -> None:
     """Set the outcome: ``status``, the given columns and ``updated_at``.
 

@@ -46,13 +46,22 @@ from typing import TYPE_CHECKING, Any, Final, Literal
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import text
 
-from ledger import action_settings, commands, executions, principals, reservations, staged
+from ledger import (
+    action_settings,
+    commands,
+    executions,
+    principals,
+    reservations,
+    staged,
+    transactions,
+)
 from ledger import callbacks as callback_runs
 from ledger.canonical import NotCanonicalizable, canonical_json, fingerprint
 from ledger.commands import CommandRow
 from ledger.errors import StorageError, StoreBusy
 from ledger.executions import ExecutionRow
 from ledger.ids import time_ordered_id
+from ledger.states import TxState
 from ledger.store import Work
 from orchestrator import audit, authz, budgets, definitions, expressions
 from orchestrator.authz import Caller, Principal
@@ -62,6 +71,7 @@ from orchestrator.errors import (
     AgentTxnError,
     ApprovalRequired,
     AssertionFailed,
+    BusinessKeyCommitted,
     BusinessKeyConflict,
     CapExceeded,
     CardinalityFailed,
@@ -273,6 +283,9 @@ class CommandService:
             row = await self._visible(conn, command_id)
             principal = await self._principal(conn, caller, row)
             settings = await self._settings_map(conn)
+        # Replacing is deleting what is stored and authoring the new: the caller must manage the
+        # actions of both (else a manager of one action could cut another's steps out).
+        self._require_manager(principal, StoredCommand.from_stored(row.definition))
         stored = definitions.normalize(raw, registry=self.orch.registry, settings=settings)
         self._require_manager(principal, stored)
         saga_digest = await self._register_saga(stored)
@@ -345,15 +358,37 @@ class CommandService:
         return company, rooms
 
     async def delete(self, caller: Caller, command_id: str) -> None:
-        """Soft-delete a command (its executions stay readable)."""
+        """Soft-delete a command (its executions stay readable) and, in the same commit, release
+        every plan it staged that nobody decided yet.
+
+        A deleted command's plan can never run (approve and confirm re-read the command under
+        its lock and refuse), so a plan left ``staged`` would hold its idempotency key and its
+        business key forever. Each one is retired as a rejection is: its staged change
+        ``rejected`` by the deleter (an agent's unconfirmed action ``released``), its record
+        ``failed`` with ``staged_released``, its key freed, its transaction ``staged → failed``
+        in the ledger, its ``failed`` callbacks queued."""
         authz.require_jwt(caller)
         async with self._read() as conn:
             row = await self._visible(conn, command_id)
             principal = await self._principal(conn, caller, row)
         self._require_manager(principal, StoredCommand.from_stored(row.definition))
         async with self.orch.store.transaction() as work:
+            # First: the update locks the command row, so a plan staged concurrently either
+            # committed before (and is read below) or sees the command deleted and aborts.
             if not await commands.soft_delete(work, command_id):
                 raise CommandNotFound()
+            for record in await executions.staged_of(work.conn, command_id):
+                retired = await self._retire_staged(
+                    work,
+                    record,
+                    staged_change_id=record.staged_change_id,
+                    decided_by=caller.principal_id,
+                    reason="command deleted",
+                    code="staged_released",
+                )
+                # A staged record always names its transaction (see approve()).
+                if retired is not None and record.tx_id is not None:
+                    await self.orch.release_staged_in(work, record.tx_id, code="staged_released")
 
     def _require_manager(self, principal: Principal, stored: StoredCommand) -> None:
         resources = sorted(stored.data["dependency_contract"]["actions"])
@@ -701,7 +736,12 @@ class CommandService:
                 ttl_ms=IDEMPOTENCY_TTL_MS,
             )
         if not ok:
-            raise IdempotencyInProgress(details={"execution_id": execution_id})
+            # Another request with this key won the race (it committed its reservation with its
+            # execution): name that execution, not this attempt's, which is never written.
+            held = await reservations.get(work.conn, row.command_id, caller.bucket, key)
+            if held is None:
+                raise LockConflict()  # released since: the retry reserves it afresh
+            raise IdempotencyInProgress(details={"execution_id": held.execution_id})
 
     async def _with_lock_retries(self, attempt_once: Callable[[], Awaitable[Any]]) -> Any:
         """Lock contention is retried a bounded number of times, then ``command_lock_conflict``;
@@ -751,22 +791,41 @@ class CommandService:
                 prepare_hook=writer,
             )
         )
+        if result.tx_id != tx_id:
+            raise await self._business_key_held(result.tx_id)
         return await self._respond(execution_id, result)
 
-    async def _respond(
-        self, execution_id: str, result: SagaResult, *, existed: bool = False
-    ) -> Outcome:
-        """Map a driven execution to what the caller receives. ``existed``: the record was
-        written before this call drove it (an approved staged plan)."""
+    async def _business_key_held(self, holder_tx_id: str) -> AgentTxnError:
+        """Why a plan answered with another transaction: that one holds the business key, and
+        the plan's commit (with this call's records and ``extra`` rows) was rolled back.
+
+        A committed holder keeps the key for good: the business action already ran, and a
+        retry can never succeed (``business_key_committed``). Any other holder may still fail
+        and free it (``business_key_conflict``, retryable). Both name the holder's transaction
+        and execution; the execution is readable only by those who may see it."""
+        async with self._read() as conn:
+            holder = await transactions.get(conn, holder_tx_id)
+        if holder is None:
+            # Pruned since it answered: its key is free again, so a retry can run.
+            return BusinessKeyConflict(details={"tx_id": holder_tx_id})
+        details = audit.compact(
+            {
+                "business_key": holder.business_key,
+                "tx_id": holder.tx_id,
+                "execution_id": holder.execution_id,
+            }
+        )
+        if holder.status is TxState.COMMITTED:
+            return BusinessKeyCommitted(details=details)
+        return BusinessKeyConflict(details=details)
+
+    async def _respond(self, execution_id: str, result: SagaResult) -> Outcome:
+        """Map a driven execution (whose plan landed) to what the caller receives."""
         async with self._read() as conn:
             record = await executions.get(conn, execution_id)
-        if record is None and existed:
-            # It was there when the plan ran: pruned or deleted since, not a plan that never
-            # landed, so a retry would not help.
-            raise ExecutionNotFound()
         if record is None:
-            # The plan did not land: another transaction holds (or committed) the business key.
-            raise BusinessKeyConflict(details={"tx_id": result.tx_id})
+            # It was written with the plan: pruned or deleted since, so a retry would not help.
+            raise ExecutionNotFound()
         body = audit.view(record)
         if record.status == "succeeded":
             if result.output is not None:
@@ -825,7 +884,7 @@ class CommandService:
             staged_change_id=staged_change_id,
             extra=extras,
         )
-        await self._with_lock_retries(
+        landed = await self._with_lock_retries(
             lambda: self.orch.stage(
                 saga,
                 prepared.inputs,
@@ -835,6 +894,10 @@ class CommandService:
                 prepare_hook=writer,
             )
         )
+        if landed != tx_id:
+            # Another transaction holds the business key: nothing of this call was written, so
+            # no proposal, token or staged change may be answered from it.
+            raise await self._business_key_held(landed)
         return execution_id
 
     async def _approvals_needed(self, stored: StoredCommand) -> builtins.list[tuple[str, str]]:
@@ -921,7 +984,7 @@ class CommandService:
                 tx_id, budget_seconds=budget_seconds, prepare_hook=decide
             )
         )
-        return await self._respond(record.execution_id, result, existed=True)
+        return await self._respond(record.execution_id, result)
 
     async def reject(
         self, approver: Caller, staged_change_id: str, *, reason: str | None = None
@@ -931,37 +994,16 @@ class CommandService:
         decided: list[ExecutionRow] = []
 
         async def decide(work: Work) -> None:
-            if not await staged.decide_change(
+            failed = await self._retire_staged(
                 work,
-                staged_change_id,
-                to_state="rejected",
+                record,
+                staged_change_id=staged_change_id,
                 decided_by=approver.principal_id,
                 reason=_bounded(reason),
-            ):
-                raise StagedChangeDecided()
-            code, text_ = audit.error_of({"code": "approval_rejected"})
-            await executions.finish(
-                work,
-                record.execution_id,
-                status="failed",
-                error_code=code,
-                error=text_,
-                response=None,
-                duration_ms=max(0, work.now_ms - record.created_at),
+                code="approval_rejected",
             )
-            if record.idempotency_key is not None:
-                await reservations.release(
-                    work,
-                    command_id=record.command_id,
-                    bucket=record.actor_bucket,
-                    key=record.idempotency_key,
-                    execution_id=record.execution_id,
-                )
-            failed = await executions.get(work.conn, record.execution_id)
-            # ``finish`` just updated it in this transaction (it raises when the row is gone),
-            # and on PostgreSQL holds its row lock: it cannot vanish before the read.
-            assert failed is not None
-            await audit.enqueue_callbacks(work, failed, "failed")
+            if failed is None:
+                raise StagedChangeDecided()
             decided.append(failed)
 
         # See approve(): a staged change's record always names its transaction.
@@ -971,16 +1013,73 @@ class CommandService:
         # it may be pruned at any moment, and the rejection happened either way.
         return audit.view(decided[-1])
 
+    async def _retire_staged(
+        self,
+        work: Work,
+        record: ExecutionRow,
+        *,
+        staged_change_id: str | None,
+        decided_by: str,
+        reason: str | None,
+        code: str,
+    ) -> ExecutionRow | None:
+        """Close ``record``'s staged plan without running it, in ``work``: its staged change
+        ``rejected`` (or, with none, the agent's unconfirmed action ``released``) by
+        compare-and-set, the record ``failed`` with ``code``, its idempotency key released, and
+        a staged change's ``failed`` callbacks queued. ``None`` when somebody decided it first.
+        The transaction is the caller's to release (its ledger row commits with this)."""
+        if staged_change_id is not None:
+            moved = await staged.decide_change(
+                work, staged_change_id, to_state="rejected", decided_by=decided_by, reason=reason
+            )
+        else:
+            action = await staged.action_of(work.conn, record.execution_id)
+            moved = action is not None and await staged.move_action(
+                work, action.token_sha256, from_state="pending", to_state="released"
+            )
+        if not moved:
+            return None
+        error_code, error_text = audit.error_of({"code": code})
+        await executions.finish(
+            work,
+            record.execution_id,
+            status="failed",
+            error_code=error_code,
+            error=error_text,
+            response=None,
+            duration_ms=max(0, work.now_ms - record.created_at),
+        )
+        if record.idempotency_key is not None:
+            await reservations.release(
+                work,
+                command_id=record.command_id,
+                bucket=record.actor_bucket,
+                key=record.idempotency_key,
+                execution_id=record.execution_id,
+            )
+        failed = await executions.get(work.conn, record.execution_id)
+        # ``finish`` just updated it in this transaction (it raises when the row is gone), and
+        # on PostgreSQL holds its row lock: it cannot vanish before the read.
+        assert failed is not None
+        if staged_change_id is not None:
+            # Its "staged" callbacks went out; an agent's unconfirmed proposal queued none.
+            await audit.enqueue_callbacks(work, failed, "failed")
+        return failed
+
     async def _decidable(
         self, approver: Caller, staged_change_id: str
     ) -> tuple[staged.StagedChangeRow, ExecutionRow, CommandRow]:
-        """The pending change, its execution and command, and proof the approver may decide."""
+        """The pending change, its execution and command, and proof the approver may decide.
+
+        A deleted command's change is found too: delete releases its pending changes, so it
+        answers ``staged_change_decided``; one stranded by an older version can still be
+        rejected (approve refuses it: the command is re-read under its lock)."""
         authz.require_jwt(approver)
         async with self._read() as conn:
             change = await staged.get_change(conn, staged_change_id)
             if change is None:
                 raise StagedChangeNotFound()
-            row = await commands.get(conn, change.command_id)
+            row = await commands.get(conn, change.command_id, include_deleted=True)
             record = await executions.get(conn, change.execution_id)
             if row is None or record is None or row.tenant != self.tenant:
                 raise StagedChangeNotFound()

@@ -554,8 +554,13 @@ class Orchestrator:
         async with self.store.transaction() as work:
             if hook is not None:
                 await hook(work)
-            chain = await events.chain_of(work.conn, tx_id)
-            return await transactions.release_staged(work, chain, tx_id, error={"code": code})
+            return await self.release_staged_in(work, tx_id, code=code)
+
+    async def release_staged_in(self, work: Work, tx_id: str, *, code: str) -> bool:
+        """:meth:`release_staged` inside the caller's own transaction, for a caller that retires
+        several plans in one commit (deleting a command retires every plan it staged)."""
+        chain = await events.chain_of(work.conn, tx_id)
+        return await transactions.release_staged(work, chain, tx_id, error={"code": code})
 
     async def _drive_in_call(self, run: SagaRun, first: Any, budget_seconds: float | None) -> None:
         budget = self.settings.execute_budget_seconds if budget_seconds is None else budget_seconds
@@ -703,8 +708,19 @@ class Orchestrator:
             return await self.result(tx_id)
         if holder is not None:
             if holder.status is TxState.COMMITTED:
+                # The business action already ran: its outcome, never a second run. (The
+                # commands layer, whose callers may not see it, answers business_key_committed.)
                 return await self.result(holder.tx_id)
-            raise BusinessKeyConflict(details={"business_key": business_key, "tx_id": holder.tx_id})
+            # Still in flight: it may yet fail or be compensated and free the key (retryable).
+            raise BusinessKeyConflict(
+                details=audit.compact(
+                    {
+                        "business_key": business_key,
+                        "tx_id": holder.tx_id,
+                        "execution_id": holder.execution_id,
+                    }
+                )
+            )
         raise LockConflict()  # a concurrent writer won the race for a key we could not see
 
     # -- recovery -------------------------------------------------------------------------------

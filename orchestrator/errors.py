@@ -11,6 +11,7 @@
     ├── PayloadNotSerializable         payload_not_serializable      400  execute
     ├── IdempotencyPayloadMismatch     idempotency_payload_mismatch  409  execute
     ├── BusinessKeyConflict            business_key_conflict         409  execute  retryable
+    ├── BusinessKeyCommitted           business_key_committed        409  execute
     ├── LockConflict                   command_lock_conflict         409  execute  retryable
     ├── StoreUnavailableError          store_unavailable             503  execute  retryable
     ├── SchemaOutdatedError            schema_outdated               500  execute
@@ -120,7 +121,16 @@ _reg(
     409,
     "Another transaction for the same business key is still in flight.",
     retryable=True,
-    details=("business_key", "tx_id"),
+    details=("business_key", "tx_id", "execution_id"),
+)
+# The holder committed: the business action already ran, and it keeps the key for good, so a
+# retry can never succeed (``business_key_conflict`` said "retry" and clients retried forever).
+_reg(
+    "business_key_committed",
+    409,
+    "The business action for this key already ran; it is not run again.",
+    phases=("execute", "stage"),
+    details=("business_key", "tx_id", "execution_id"),
 )
 _reg(
     "command_lock_conflict",
@@ -374,9 +384,15 @@ class IdempotencyPayloadMismatch(AgentTxnError):
 
 
 class BusinessKeyConflict(AgentTxnError):
-    """Another live transaction holds the business key."""
+    """Another live transaction holds the business key (it may still fail and free it)."""
 
     code = "business_key_conflict"
+
+
+class BusinessKeyCommitted(AgentTxnError):
+    """A committed transaction holds the business key: that business action already ran."""
+
+    code = "business_key_committed"
 
 
 class LockConflict(AgentTxnError):

@@ -91,6 +91,10 @@ _GUIDANCE: Final[Mapping[str, Mapping[str, str]]] = {
         "en": "The person is not allowed to do this.",
         "zh-TW": "對方沒有執行此操作的權限。",
     },
+    "business_key_committed": {
+        "en": "This was already done earlier, so it was not done again. Tell the person it is already done.",
+        "zh-TW": "此事先前已完成，因此沒有再執行一次。請告訴對方已經完成。",
+    },
     "command_lock_conflict": {
         "en": "It was busy; nothing was changed. It is safe to try again.",
         "zh-TW": "系統忙碌中，沒有任何變更，可以安全地再試一次。",

@@ -826,7 +826,8 @@ def create_app(orch: Orchestrator, auth: AuthSettings) -> FastAPI:
         responses={200: {"model": CommandView}, **_responses(400, 409, *common)},
     )
     async def update_command(command_id: CommandId, body: UpdateCommand, who: Who) -> JSONResponse:
-        """Replace a command's definition; a moved digest is 409 ``source_authority_changed``."""
+        """Replace a command's definition; a moved digest is 409 ``source_authority_changed``.
+        The caller must manage the actions of the stored definition and of the new one."""
         view = await service.update(
             who,
             command_id,
@@ -845,7 +846,8 @@ def create_app(orch: Orchestrator, auth: AuthSettings) -> FastAPI:
         responses=_responses(*common),
     )
     async def delete_command(command_id: CommandId, who: Who) -> Response:
-        """Soft-delete a command; its executions stay readable."""
+        """Soft-delete a command; its executions stay readable, and the plans it staged that
+        nobody decided are released in the same commit."""
         await service.delete(who, command_id)
         return Response(status_code=204)
 

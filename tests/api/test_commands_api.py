@@ -10,12 +10,14 @@ do not exist or fail unexpectedly.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
 import jwt
 import pytest
 
+from ledger import action_settings
 from ledger.errors import StoreUnavailable
 from orchestrator.errors import REGISTRY, envelope
 from providers.fake.faults import FaultKind, FaultRule
@@ -584,3 +586,131 @@ async def test_healthz_needs_no_credentials_and_openapi_is_published(api: Api) -
     execute = paths["/v1/commands/{command_id}/execute"]["post"]
     assert {"200", "400", "403", "404", "409", "422"} <= set(execute["responses"])
     assert SECRET not in str(spec)
+
+
+# -- keys held by someone else, replacing and deleting (audit findings) --------------------------
+
+BY_ORDER = {"$concat": ["order:", {"$ref": "inputs.order_id"}]}
+
+
+async def _order_42_committed(api: Api) -> tuple[str, str]:
+    """alice's order command with a business key, order o-1 already charged once."""
+    await api.add_user("alice", permissions=("manage", "execute", "read"), rooms=["r1"])
+    command_id = (await api.create("alice", order_command(business_key=BY_ORDER)))["command_id"]
+    first = await api.execute("alice", command_id, idempotency_key="first")
+    assert first.status_code == 200, first.text
+    return str(command_id), first.headers["X-Execution-Id"]
+
+
+def _names_the_first(response: Any, first_execution: str, phase: str) -> None:
+    assert response.status_code == 409, response.text
+    detail = _error(response.json())
+    assert detail["error"] == "business_key_committed" and detail["phase"] == phase
+    assert detail["retryable"] is False
+    assert detail["details"]["business_key"] == "order:o-1"
+    assert detail["details"]["execution_id"] == first_execution
+    assert "X-Execution-Id" not in response.headers  # nothing of this call was written
+
+
+async def test_a_committed_business_key_is_a_final_409_naming_the_first(api: Api) -> None:
+    command_id, first = await _order_42_committed(api)
+    before = await api.counts()
+    again = await api.execute("alice", command_id, idempotency_key="second")
+    _names_the_first(again, first, "execute")
+    assert await api.counts() == before
+    named = await api.client.get(
+        f"/v1/commands/{command_id}/executions/{first}", headers=bearer("alice")
+    )
+    assert named.status_code == 200 and named.json()["status"] == "succeeded"
+
+
+async def test_prepare_and_gated_execute_never_answer_a_plan_that_did_not_land(api: Api) -> None:
+    command_id, first = await _order_42_committed(api)
+    before = await api.counts()
+    # Before: 200 with a proposal and a confirmation token nothing stood behind.
+    prepared = await api.client.post(
+        f"/v1/commands/{command_id}/prepare",
+        json={"inputs": order_inputs()},
+        headers=bearer("alice", room="r1", ai=True),
+    )
+    _names_the_first(prepared, first, "stage")
+    async with api.orch.store.transaction() as work:
+        await action_settings.put(
+            work, "payments", "charge", requires_approval=True, approval_policy=None
+        )
+    # Before: 409 approval_required with a staged change and an X-Execution-Id that 404.
+    gated = await api.execute("alice", command_id, idempotency_key="gated")
+    _names_the_first(gated, first, "execute")
+    assert await api.counts() == before
+
+
+async def test_put_needs_manage_on_the_stored_actions_too(api: Api) -> None:
+    await api.add_user("alice")
+    await api.add_user("dave", actions=(("inventory", "reserve"), ("inventory", "release")))
+    created = await api.create("alice")
+    url = f"/v1/commands/{created['command_id']}"
+    inventory_only = order_command(outbox=[], result=None)
+    inventory_only["steps"] = inventory_only["steps"][:1]
+    assert (await api.client.delete(url, headers=bearer("dave"))).status_code == 403
+    replaced = await api.client.put(
+        url, json={"definition": inventory_only}, headers=bearer("dave")
+    )
+    assert replaced.status_code == 403  # before: 200, and alice's charge step was gone
+    assert replaced.json() == DENIED_AUTHOR
+    got = await api.client.get(url, headers=bearer("alice"))
+    assert got.json()["digest"] == created["digest"]
+
+
+async def test_delete_releases_the_commands_staged_changes(api: Api) -> None:
+    async with api.orch.store.transaction() as work:
+        await action_settings.put(
+            work, "payments", "charge", requires_approval=True, approval_policy=None
+        )
+    await api.add_user("alice", permissions=("manage", "execute", "read"))
+    await api.add_user("approver", permissions=("approve", "read"))
+    command_id = (await api.create("alice", order_command(business_key=BY_ORDER)))["command_id"]
+    staged = await api.execute("alice", command_id, idempotency_key="k")
+    assert staged.status_code == 409
+    change = _error(staged.json())["details"]["staged_change_id"]
+    execution_id = staged.headers["X-Execution-Id"]
+    deleted = await api.client.delete(f"/v1/commands/{command_id}", headers=bearer("alice"))
+    assert deleted.status_code == 204
+    for decision in ("approve", "reject"):  # before: 404 staged_change_not_found
+        late = await api.client.post(
+            f"/v1/staged-changes/{change}/{decision}", headers=bearer("approver")
+        )
+        assert late.status_code == 409
+        assert late.json() == {"detail": envelope("staged_change_decided", phase="stage")}
+    record = await api.client.get(
+        f"/v1/commands/{command_id}/executions/{execution_id}", headers=bearer("alice")
+    )
+    assert record.status_code == 200
+    assert (record.json()["status"], record.json()["error_code"]) == ("failed", "staged_released")
+    assert (await api.shop.counts())["inventory.reserve"] == 0
+
+
+async def test_a_key_lost_in_a_race_names_an_execution_that_exists(api: Api) -> None:
+    await api.add_user("alice", permissions=("manage", "execute", "read"))
+    command_id = (await api.create("alice"))["command_id"]
+    both_checked = asyncio.Barrier(2)
+
+    async def after_validation() -> None:
+        await both_checked.wait()
+
+    api.orch.commands.between_validation_and_apply = after_validation
+    responses = await asyncio.gather(
+        *(api.execute("alice", command_id, idempotency_key="same") for _ in range(2))
+    )
+    api.orch.commands.between_validation_and_apply = None
+    assert sorted(r.status_code for r in responses) == [200, 409], [r.text for r in responses]
+    won = next(r for r in responses if r.status_code == 200)
+    lost = next(r for r in responses if r.status_code == 409)
+    detail = _error(lost.json())
+    assert detail["error"] == "idempotency_in_progress" and detail["retryable"] is True
+    named = detail["details"]["execution_id"]
+    assert named == won.json()["execution_id"]  # before: the loser's own, never-written id
+    got = await api.client.get(
+        f"/v1/commands/{command_id}/executions/{named}", headers=bearer("alice")
+    )
+    assert got.status_code == 200
+    assert (await api.shop.counts())["payments.charge"] == 1
