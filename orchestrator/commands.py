@@ -63,7 +63,7 @@ from ledger.executions import ExecutionRow
 from ledger.ids import time_ordered_id
 from ledger.states import TxState
 from ledger.store import Work
-from orchestrator import audit, authz, budgets, definitions, expressions
+from orchestrator import audit, authz, budgets, definitions, expressions, keys
 from orchestrator.authz import Caller, Principal
 from orchestrator.definitions import StoredCommand
 from orchestrator.errors import (
@@ -810,7 +810,7 @@ class CommandService:
             return BusinessKeyConflict(details={"tx_id": holder_tx_id})
         details = audit.compact(
             {
-                "business_key": holder.business_key,
+                "business_key": keys.rendered_business_key(holder.business_key),
                 "tx_id": holder.tx_id,
                 "execution_id": holder.execution_id,
             }

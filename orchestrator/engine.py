@@ -715,7 +715,7 @@ class Orchestrator:
             raise BusinessKeyConflict(
                 details=audit.compact(
                     {
-                        "business_key": business_key,
+                        "business_key": keys.rendered_business_key(business_key),
                         "tx_id": holder.tx_id,
                         "execution_id": holder.execution_id,
                     }

@@ -60,6 +60,17 @@ def tenant_business_key(tenant: str, key: str) -> str:
     return f"{escaped}/{key}"
 
 
+def rendered_business_key(stored: str | None) -> str | None:
+    """The key as the command rendered it, from its stored form (:func:`tenant_business_key`):
+    what an error's details show the caller, who sent the order id and never saw the tenant
+    prefix. Only the caller's own tenant's keys are ever looked up, so nothing is hidden. A
+    value without the separator (none is stored so since migration 0009) comes back whole."""
+    if stored is None:
+        return None
+    _, separator, key = stored.partition("/")
+    return key if separator else stored
+
+
 def is_identifier(value: object) -> bool:
     """True for a non-blank id of at most 200 characters from :data:`IDENTIFIER_RE`."""
     return isinstance(value, str) and IDENTIFIER_RE.fullmatch(value) is not None

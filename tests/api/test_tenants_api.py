@@ -101,10 +101,12 @@ async def test_another_tenants_order_neither_blocks_nor_shows_its_ids(
     _shows_none_of(executed, mallorys)
     assert (await alice.shop.counts())["payments.charge"] == 2  # one order in each tenant
 
-    # The same tenant's second attempt at the order is still held by the first: its own ids.
+    # The same tenant's second attempt at the order is held by the first, which ran: its own
+    # ids, and the key as alice's command rendered it.
     again = await alice.execute("alice", ours, inputs, idempotency_key="a-2")
     assert again.status_code == 409, again.text
-    assert again.json()["detail"]["error"] == "business_key_conflict"
+    assert again.json()["detail"]["error"] == "business_key_committed"
+    assert again.json()["detail"]["details"]["business_key"] == "order:" + inputs["order_id"]
     alices_tx = {tx for _, tx in await _records(alice, ours) if tx is not None}
     assert again.json()["detail"]["details"]["tx_id"] in alices_tx
     _shows_none_of(again, mallorys)

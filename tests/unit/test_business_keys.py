@@ -6,7 +6,11 @@ from __future__ import annotations
 import pytest
 
 from ledger.schema import STORED_BUSINESS_KEY_LENGTH
-from orchestrator.keys import BUSINESS_KEY_MAX_LENGTH, tenant_business_key
+from orchestrator.keys import (
+    BUSINESS_KEY_MAX_LENGTH,
+    rendered_business_key,
+    tenant_business_key,
+)
 
 
 def test_the_tenant_comes_first() -> None:
@@ -31,3 +35,10 @@ def test_different_pairs_never_share_a_stored_key(
 def test_the_longest_stored_key_fits_its_column() -> None:
     longest = tenant_business_key("/" * 100, "k" * BUSINESS_KEY_MAX_LENGTH)
     assert len(longest) == STORED_BUSINESS_KEY_LENGTH
+
+
+@pytest.mark.parametrize(
+    ("tenant", "key"), [("default", "order:42"), ("a/b%", "c/d"), ("t", "/"), ("t", "x/y/z")]
+)
+def test_the_caller_gets_back_the_key_it_rendered(tenant: str, key: str) -> None:
+    assert rendered_business_key(tenant_business_key(tenant, key)) == key
