@@ -389,7 +389,8 @@ def _check_run_options(
             _refuse(f"--only: a random schedule's index is a number from 0, not {only!r}")
         # The digit count first: int() of thousands of digits raises ValueError.
         if len(only) > len(str(MAX_SCHEDULES)) or int(only) >= MAX_SCHEDULES:
-            _refuse(f"--only: a random schedule's index is below {MAX_SCHEDULES}, not {only}")
+            shown = only if len(only) <= 20 else f"{only[:12]}… ({len(only)} digits)"
+            _refuse(f"--only: a random schedule's index is below {MAX_SCHEDULES}, not {shown}")
         # The index of a schedule the run would not have: --schedules 5 --only 7 ran schedule
         # 7 and ignored --schedules. (Without --schedules, any index: reproduce lines give none.)
         if schedules is not None and int(only) >= schedules:
