@@ -25,10 +25,12 @@ Commits and statements are counted by the store's SQLAlchemy event listeners
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import signal
 import statistics
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
@@ -68,8 +70,14 @@ ONCE_PER_SAGA = ("inventory.reserve", "payments.charge", "email.send")
 NEVER = ("inventory.release", "payments.refund")
 #: The HTTP client's deadline per call (``--provider http``); the loopback server answers in ms.
 HTTP_TIMEOUT_SECONDS = 5.0
-#: How long the fake shop's server process may take to say it listens (or to stop).
-SERVER_START_SECONDS = 30.0
+#: How long the fake shop's server process may take to say it listens (or to stop). As long as
+#: a bench worker's start (``bench_workers.READY_TIMEOUT_SECONDS``): 30 s was passed on a busy
+#: machine, and the run ended as "database unreachable".
+SERVER_START_SECONDS = 120.0
+#: How much of a child process's stderr a start failure quotes: its last lines (a
+#: traceback's last say the cause), at most this many characters.
+STDERR_TAIL_LINES = 3
+STDERR_TAIL_CHARS = 600
 
 
 @dataclass(frozen=True)
@@ -270,27 +278,81 @@ async def serve_shop_process(provider_url: str) -> AsyncIterator[str]:
     """The fake shop served over HTTP by its own process (``python -m
     fault_injection.bench_workers shop``: :class:`~providers.fake.http_server.FakeShopServer`,
     stocked, on a free loopback port); yields its base URL and stops it (SIGTERM) after."""
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "fault_injection.bench_workers",
-        "shop",
-        "--provider-url",
-        provider_url,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.DEVNULL,
-    )
+    with tempfile.TemporaryDirectory(prefix="bench-shop-") as folder:
+        stderr_path = Path(folder) / "shop.err"
+        with stderr_path.open("wb") as stderr:  # the child keeps its own descriptor
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "fault_injection.bench_workers",
+                "shop",
+                "--provider-url",
+                provider_url,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=stderr,
+            )
+        try:
+            text = await first_line(
+                proc,
+                stderr_path,
+                who="the fake shop's server process",
+                expect="listening on http",
+                within_seconds=SERVER_START_SECONDS,
+            )
+            yield text.rsplit(" ", 1)[1]
+        finally:
+            if proc.returncode is None:
+                proc.send_signal(signal.SIGTERM)
+            await asyncio.wait_for(proc.wait(), SERVER_START_SECONDS)
+
+
+async def first_line(
+    proc: asyncio.subprocess.Process,
+    stderr_path: Path,
+    *,
+    who: str,
+    expect: str,
+    within_seconds: float,
+) -> str:
+    """The first line a child process (a bench worker, the shop's server) says on stdout,
+    which must start with ``expect``; else a :class:`~orchestrator.cli.CliFailure` naming
+    ``who`` and quoting the end of its stderr (the file ``stderr_path``). Why: a child that
+    died at start was a ``RuntimeError`` traceback that said ``b''`` (its stderr went
+    nowhere), and one slower than ``within_seconds`` a ``TimeoutError``, an ``OSError`` the
+    CLI took for "database unreachable"."""
+    from orchestrator.cli import CliFailure
+
+    assert proc.stdout is not None
     try:
-        assert proc.stdout is not None
-        line = await asyncio.wait_for(proc.stdout.readline(), SERVER_START_SECONDS)
-        text = line.decode().strip()
-        if not text.startswith("listening on http"):
-            raise RuntimeError(f"the fake shop's server did not start (said {text!r})")
-        yield text.rsplit(" ", 1)[1]
-    finally:
-        if proc.returncode is None:
-            proc.send_signal(signal.SIGTERM)
-        await asyncio.wait_for(proc.wait(), SERVER_START_SECONDS)
+        line = await asyncio.wait_for(proc.stdout.readline(), within_seconds)
+    except TimeoutError:
+        said = f"it said nothing within {within_seconds:.0f} s"
+    else:
+        text = line.decode(errors="replace").strip()
+        if text.startswith(expect):
+            return text
+        if not text:
+            # Its stdout closed: it is exiting. Wait (briefly) for its code and last words.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(proc.wait(), 10)
+            said = "it exited" + ("" if proc.returncode is None else f" {proc.returncode}")
+        else:
+            said = f"it said {text[:200]!r}"
+    raise CliFailure(f"{who} did not start: {said}{_stderr_tail(stderr_path)}")
+
+
+def _stderr_tail(path: Path) -> str:
+    """``: `` and the last lines a child wrote to the file ``path``, on one line."""
+    try:
+        text = path.read_bytes()[-64 * STDERR_TAIL_CHARS :].decode(errors="replace")
+    except OSError:
+        text = ""
+    # A traceback's markers (the ^^^^ under a call) say nothing on one line.
+    lines = [line.strip() for line in text.splitlines() if line.strip(" ^~\t")]
+    tail = " | ".join(lines[-STDERR_TAIL_LINES:])
+    if not tail:
+        return " (nothing on its stderr)"
+    return ": " + (tail if len(tail) <= STDERR_TAIL_CHARS else "…" + tail[-STDERR_TAIL_CHARS:])
 
 
 @asynccontextmanager

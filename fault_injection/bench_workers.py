@@ -53,6 +53,7 @@ from fault_injection.bench import (
     CheckOutcome,
     InstrumentedProvider,
     ProviderKind,
+    first_line,
     open_shop,
 )
 from fault_injection.bench_driver import measure_driver
@@ -74,8 +75,14 @@ from providers.contract import Provider
 POLL_DONE_SECONDS = 0.02
 #: Workers and recovery: the run fails past ``max(drain_timeout_seconds, N * this)``.
 SECONDS_PER_SAGA_LIMIT = 0.5
-#: How long a worker process may take to import, open and warm up before saying ``ready``.
+#: How long a worker process may take to import and open, before its warm-up
+#: (:func:`ready_timeout` adds the warm-up's own time).
 READY_TIMEOUT_SECONDS = 120.0
+#: Provider calls allowed for a warm-up saga in :func:`ready_timeout`: twice its three calls
+#: (reserve, charge, the receipt), for a lookup after each.
+WARMUP_CALLS_PER_SAGA = 2 * len(ONCE_PER_SAGA)
+#: The worker's drain after its warm-up (``orch.drain(timeout_seconds=...)``).
+WARMUP_DRAIN_SECONDS = 30.0
 #: Each worker's idle poll (``agent-txn worker --poll-seconds``).
 WORKER_POLL_SECONDS = 0.05
 
@@ -140,7 +147,7 @@ async def _worker_main(args: argparse.Namespace) -> WorkerCounts | None:
         await orch.register(saga)
         for i in range(args.warmup):
             await orch.execute(saga, order(f"warm-{args.worker_id}-{i}"))
-        await orch.drain(timeout_seconds=30)
+        await orch.drain(timeout_seconds=WARMUP_DRAIN_SECONDS)
 
         worker = Worker(orch, concurrency=args.concurrency, poll_seconds=args.poll_seconds)
         loop = asyncio.get_running_loop()
@@ -236,19 +243,32 @@ async def _count_done(reader: Orchestrator) -> tuple[int, int]:
     return statuses.get(TxState.COMMITTED.value, 0), unsent
 
 
-async def _start_worker(args: list[str], stats_path: Path) -> asyncio.subprocess.Process:
-    return await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "fault_injection.bench_workers",
-        "worker",
-        *args,
-        "--stats",
-        str(stats_path),
-        stdin=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.DEVNULL,
-    )
+def ready_timeout(config: BenchConfig) -> float:
+    """How long a worker may take to say ``ready``: its start, then its warm-up, one saga after
+    another, each with its provider calls' ``--latency-ms``. Why scaled: a fixed 120 s fired
+    on a legitimate warm-up (``--warmup 9 --latency-ms 5000`` takes over two minutes)."""
+    per_saga = SECONDS_PER_SAGA_LIMIT + WARMUP_CALLS_PER_SAGA * config.latency_ms / 1000
+    return READY_TIMEOUT_SECONDS + WARMUP_DRAIN_SECONDS + config.warmup * per_saga
+
+
+async def _start_worker(
+    args: list[str], stats_path: Path, stderr_path: Path
+) -> asyncio.subprocess.Process:
+    """One worker process; its stderr goes to the file ``stderr_path`` (quoted if it fails to
+    start, :func:`~fault_injection.bench.first_line`)."""
+    with stderr_path.open("wb") as stderr:  # the child keeps its own descriptor
+        return await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "fault_injection.bench_workers",
+            "worker",
+            *args,
+            "--stats",
+            str(stats_path),
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=stderr,
+        )
 
 
 async def run_workers_bench(
@@ -273,17 +293,21 @@ async def _run_workers(config: BenchConfig, urls: DatabasePair, workdir: Path) -
         common += ["--latency-ms", str(config.latency_ms)]
         common += ["--sqlite-synchronous", config.sqlite_synchronous]
         stats_paths = [workdir / f"worker-{i}.json" for i in range(w)]
+        stderrs = [workdir / f"worker-{i}.err" for i in range(w)]
         procs = [
-            await _start_worker([*common, "--worker-id", f"bench-w{i}"], stats_paths[i])
+            await _start_worker([*common, "--worker-id", f"bench-w{i}"], stats_paths[i], stderrs[i])
             for i in range(w)
         ]
         reader = await Orchestrator.open(urls.store)
         try:
-            for proc in procs:
-                assert proc.stdout is not None
-                line = await asyncio.wait_for(proc.stdout.readline(), READY_TIMEOUT_SECONDS)
-                if line.strip() != b"ready":
-                    raise RuntimeError(f"a bench worker did not start (said {line!r})")
+            for i, proc in enumerate(procs):
+                await first_line(
+                    proc,
+                    stderrs[i],
+                    who=f"bench worker bench-w{i} (pid {proc.pid})",
+                    expect="ready",
+                    within_seconds=ready_timeout(config),
+                )
             # Only now, with every worker warmed up and waiting for "go" (its warm-up drain
             # must not take them): the bench's own engine persists the plans, calling no
             # provider.
@@ -316,6 +340,11 @@ async def _run_workers(config: BenchConfig, urls: DatabasePair, workdir: Path) -
             elapsed = time.perf_counter() - started
             # Read before the workers end: a backend that has ended takes its time with it.
             server_cpu = server_cpu_seconds(server_before, read_server(urls.store))
+        except BaseException:
+            # A worker that did not start (or any failure) ends the run: the reader's
+            # connections with it, which were left open (the happy path closes it below).
+            await reader.close()
+            raise
         finally:
             for proc in procs:
                 if proc.returncode is None:

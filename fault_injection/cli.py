@@ -22,6 +22,7 @@ import json
 import os
 import random
 import shutil
+import stat
 import tempfile
 import time
 from collections.abc import Callable, Coroutine
@@ -34,7 +35,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from fault_injection.report import write_report
+from fault_injection.report import report_paths, write_report
 from fault_injection.results import RunSummary, ScenarioResult
 from ledger.dialects import dialect_of, normalize_url
 
@@ -116,41 +117,67 @@ def checked_scratch(url: str | None) -> None:
 
 
 def prepared_output(path: Path | None, option: str) -> None:
-    """Make sure a results file can be written at ``path`` before a run of minutes starts: its
-    folder is created (as :func:`~fault_injection.report.write_report` does), and a path that
-    is a folder, or a folder that cannot be made, is refused with one line and exit code 2
-    instead of a traceback after the run."""
+    """Make sure a results file can be written at ``path`` before a run of minutes starts,
+    without writing anything: a path that is a folder, or anything else that is not a regular
+    file (a FIFO hung the check, which opened it), and a folder that could not be made or
+    written in, are refused with one line and exit code 2 instead of a traceback after the run.
+    The missing folders are made only when the results are written (:func:`write_output`,
+    :func:`~fault_injection.report.write_report`): a run refused after this check left them
+    behind."""
     if path is None:
         return
     if path.is_dir():
         _refuse(f"{option}: {path} is a folder")
-    if path.parent.exists() and not path.parent.is_dir():
-        _refuse(f"{option}: {path.parent} is not a folder")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        _refuse(f"{option}: cannot create {path.parent}: {exc.strerror or exc}")
-    if not os.access(path.parent, os.W_OK):
-        _refuse(f"{option}: cannot write in {path.parent}")
+    if path.exists() and not path.is_file():
+        _refuse(f"{option}: {path} is not a regular file")
+    folder = _nearest_existing(path.parent)
+    if not folder.is_dir():
+        _refuse(f"{option}: {folder} is not a folder")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        _refuse(f"{option}: cannot write in {folder}")
     # A folder may say it is writable and still refuse a file (/proc, a read-only mount seen
-    # by root): open the file the run will write, and remove it again if it was not there.
-    existed = path.exists()
+    # by root): open the file the run will write (a regular file, checked above), or make a
+    # file of our own where the first missing folder or the file would go, and remove it.
     try:
-        with path.open("a", encoding="utf-8"):
-            pass
+        if path.exists():
+            with path.open("a", encoding="utf-8"):
+                pass
+        else:
+            handle, probe = tempfile.mkstemp(prefix=".agent-txn-probe-", dir=folder)
+            os.close(handle)
+            os.unlink(probe)
     except OSError as exc:
         _refuse(f"{option}: cannot write {path}: {exc.strerror or exc}")
-    if not existed:
-        path.unlink(missing_ok=True)
+
+
+def _nearest_existing(folder: Path) -> Path:
+    """``folder``, or its nearest ancestor that exists (where a missing one would be made)."""
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    return folder
 
 
 def write_output(path: Path, text: str, option: str) -> None:
     """Write a results file :func:`prepared_output` checked before the run; a failure now (the
     disk filled during the run, say) is one line and exit code 2, not a traceback."""
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text, encoding="utf-8")
     except OSError as exc:
         _refuse(f"{option}: cannot write {path}: {exc.strerror or exc}")
+
+
+def prepared_report(report: Path | None) -> None:
+    """:func:`prepared_output` for the two files ``--report`` writes
+    (:func:`~fault_injection.report.report_paths`): checking ``PATH`` itself let a folder named
+    ``PATH.json`` through to fail after the run, and one named ``PATH.md`` after ``PATH.json``
+    was written."""
+    if report is None:
+        return
+    if report.is_dir():  # PATH.json beside a folder PATH was surely not what was meant
+        _refuse(f"--report: {report} is a folder (the report is PATH.json and PATH.md)")
+    for target in report_paths(report):
+        prepared_output(target, "--report")
 
 
 def written_report(summary: RunSummary, report: Path) -> list[Path]:
@@ -189,6 +216,18 @@ def _console() -> Console:
 DEFAULT_SCHEDULES = 200
 DEFAULT_WORKERS = 4
 DEFAULT_MODES = "inprocess,kill"
+#: The most random schedules a run takes, and one more than the highest ``--only`` index.
+#: Why a bound: ``--schedules`` had none (a typo of twenty digits ran for ever), and an
+#: ``--only`` of thousands of digits passed the digit check and then failed in ``int()`` with
+#: a traceback. A schedule takes a second or so: this many take a day.
+MAX_SCHEDULES = 100_000
+#: The largest ``--seed``. Why a bound: a schedule's transaction ids embed the seed
+#: (``r{seed}-{index}-{n}``), and a seed of 200 digits made ids past the store's length limit,
+#: so every schedule FAILED, falsely, and was shrunk. Any 64-bit seed fits.
+MAX_SEED = 2**63 - 1
+#: The largest schedule file ``replay`` reads (a shrunk schedule is a few kB): ``/dev/zero``
+#: was read until memory ran out.
+MAX_SCHEDULE_FILE_BYTES = 10_000_000
 
 
 @app.command("run")
@@ -198,9 +237,17 @@ def run(
     ] = "seed",
     schedules: Annotated[
         int | None,
-        typer.Option(min=1, help="Random schedules to run.", show_default=str(DEFAULT_SCHEDULES)),
+        typer.Option(
+            min=1,
+            max=MAX_SCHEDULES,
+            help="Random schedules to run.",
+            show_default=str(DEFAULT_SCHEDULES),
+        ),
     ] = None,
-    seed: Annotated[int | None, typer.Option(help="Seed of the random suite (printed).")] = None,
+    seed: Annotated[
+        int | None,
+        typer.Option(min=0, max=MAX_SEED, help="Seed of the random suite (printed)."),
+    ] = None,
     workers: Annotated[
         int | None,
         typer.Option(
@@ -220,13 +267,11 @@ def run(
     """Run a suite; print PASS/FAIL per scenario and a summary."""
     checked_db(db)
     checked_scratch(db)
-    prepared_output(report, "--report")
     from fault_injection.harness import scratch_folder
 
     out = _console()
     if suite not in SUITES:
-        out.print(f"[red]error:[/] --suite must be one of {', '.join(SUITES)}")
-        raise typer.Exit(2)
+        _refuse(f"--suite must be one of {', '.join(SUITES)}")
     chosen = ["seed", "faults", "concurrency", "matrix", "random"] if suite == "all" else [suite]
     _check_run_options(
         chosen,
@@ -239,10 +284,11 @@ def run(
     )
     if allow_server_restart:
         _check_restartable(db, "--allow-server-restart")
+    prepared_report(report)
     # Options left alone take their defaults only now: the check above had to tell them apart.
     schedules = schedules or DEFAULT_SCHEDULES
     workers = workers or DEFAULT_WORKERS
-    crash_modes = _split_modes(modes or DEFAULT_MODES)
+    crash_modes = _split_modes(DEFAULT_MODES if modes is None else modes)
     run_seed = seed if seed is not None else random.SystemRandom().randrange(1, 2**31)
     summary = RunSummary(seed=run_seed if "random" in chosen else None)
     if "random" in chosen:
@@ -327,7 +373,8 @@ def _check_run_options(
     from fault_injection.matrix import matrix_cells
 
     try:
-        cells = matrix_cells(_split_modes(modes or DEFAULT_MODES))
+        # Not ``modes or DEFAULT_MODES``: an empty --modes named no mode, as " " and "," do.
+        cells = matrix_cells(_split_modes(DEFAULT_MODES if modes is None else modes))
     except ValueError as exc:
         _refuse(f"--modes: {exc}")
     if not cells:
@@ -340,6 +387,17 @@ def _check_run_options(
         # Not str.isdigit(): it admits superscripts and other digits int() then refuses.
         if not (only.isascii() and only.isdigit()):
             _refuse(f"--only: a random schedule's index is a number from 0, not {only!r}")
+        # The digit count first: int() of thousands of digits raises ValueError.
+        if len(only) > len(str(MAX_SCHEDULES)) or int(only) >= MAX_SCHEDULES:
+            shown = only if len(only) <= 20 else f"{only[:12]}… ({len(only)} digits)"
+            _refuse(f"--only: a random schedule's index is below {MAX_SCHEDULES}, not {shown}")
+        # The index of a schedule the run would not have: --schedules 5 --only 7 ran schedule
+        # 7 and ignored --schedules. (Without --schedules, any index: reproduce lines give none.)
+        if schedules is not None and int(only) >= schedules:
+            _refuse(
+                f"--only {only} is not one of --schedules {schedules}'s indexes "
+                f"(0 to {schedules - 1})"
+            )
     elif "matrix" in chosen:
         if not any(fnmatchcase(cell.name, only) for cell in cells):
             _refuse(f"--only: no matrix cell matches {only!r} (names look like {cells[0].name!r})")
@@ -447,10 +505,11 @@ def replay(
     """Run one saved schedule alone on fresh databases; print PASS/FAIL and the summary."""
     checked_db(db)
     checked_scratch(db)
-    prepared_output(report, "--report")
+    prepared_report(report)
     from fault_injection.harness import scratch_folder
     from fault_injection.schedules import run_fresh, schedule_from_json
 
+    _check_schedule_file(schedule_file)
     try:
         text = schedule_file.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
@@ -470,6 +529,23 @@ def replay(
         paths = written_report(summary, report)
         out.print("report: " + ", ".join(str(p) for p in paths))
     raise typer.Exit(0 if summary.ok else 1)
+
+
+def _check_schedule_file(path: Path) -> None:
+    """Refuse a ``replay`` input that is not a regular file (a FIFO hung the read) or is too
+    large to be a schedule (``/dev/zero`` read until a MemoryError traceback). A missing or
+    unreadable file is left to the read, which says why."""
+    try:
+        status = path.stat()
+    except OSError:
+        return
+    if not stat.S_ISREG(status.st_mode):
+        _refuse(f"{path}: not a regular file (give a schedule's JSON file)")
+    if status.st_size > MAX_SCHEDULE_FILE_BYTES:
+        _refuse(
+            f"{path}: not a schedule: {status.st_size:,} bytes, more than "
+            f"{MAX_SCHEDULE_FILE_BYTES:,} (a shrunk schedule is a few kB)"
+        )
 
 
 @app.command("check")

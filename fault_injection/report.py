@@ -8,12 +8,19 @@ from pathlib import Path
 from fault_injection.results import RunSummary
 
 
-def write_report(summary: RunSummary, path: Path) -> list[Path]:
-    """Write ``path``.json and ``path``.md (an extension on ``path`` is replaced)."""
+def report_paths(path: Path) -> tuple[Path, Path]:
+    """The two files ``--report PATH`` writes: ``PATH.json`` and ``PATH.md``. A ``.json`` or
+    ``.md`` ending on ``PATH`` is dropped first (``rep.json`` writes ``rep.json`` and
+    ``rep.md``); any other ending is kept, the suffix appended to it: ``Path.with_suffix``
+    replaced it, and ``soak.v1`` and ``soak.v2`` both wrote ``soak.json``."""
     base = path.with_suffix("") if path.suffix in {".json", ".md"} else path
-    base.parent.mkdir(parents=True, exist_ok=True)
-    as_json = base.with_suffix(".json")
-    as_md = base.with_suffix(".md")
+    return base.with_name(base.name + ".json"), base.with_name(base.name + ".md")
+
+
+def write_report(summary: RunSummary, path: Path) -> list[Path]:
+    """Write :func:`report_paths` of ``path``, making their folder if it is missing."""
+    as_json, as_md = report_paths(path)
+    as_json.parent.mkdir(parents=True, exist_ok=True)
     as_json.write_text(json.dumps(summary.to_json(), indent=2, default=str) + "\n")
     as_md.write_text(markdown(summary))
     return [as_json, as_md]
