@@ -44,6 +44,7 @@ from ledger.errors import LeaseLost
 from ledger.frozen import quick_init, replacer
 from ledger.schema import (
     Json,
+    column_length,
     compensation_steps,
     effects_unsettled,
     operations,
@@ -52,6 +53,11 @@ from ledger.schema import (
 )
 from ledger.states import CLAIMABLE, MAYBE_SENT, EffectState, check_effect_transition
 from ledger.store import Chain, Store, Work
+
+#: Longest provider id an effect can hold (its ``remote_id`` column).
+REMOTE_ID_MAX = column_length(operations.c.remote_id)
+#: Longest operator reason an ``operator_resolve`` ledger row keeps.
+OPERATOR_REASON_MAX = 1000
 
 
 class EffectKind(StrEnum):
@@ -782,7 +788,7 @@ async def resolve(
         to_state=to_state.value,
         detail={
             "operator": operator,
-            "reason": reason[:1000],
+            "reason": reason[:OPERATOR_REASON_MAX],
             "remote_id": values.get("remote_id"),
         },
     )

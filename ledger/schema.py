@@ -550,3 +550,12 @@ staged_changes = Table(
     CheckConstraint(f"state IN ({_in(STAGED_CHANGE_STATES)})", name="state"),
 )
 Index("ix_executions_room_created", executions.c.room_id, executions.c.created_at)
+
+
+def column_length(column: Column[Any]) -> int:
+    """The declared length of a ``String`` column: the one place a text limit is written, so
+    callers that refuse over-long input read it here instead of repeating the number."""
+    length = getattr(column.type, "length", None)
+    if not isinstance(length, int):
+        raise TypeError(f"{column} has no declared length")
+    return length

@@ -31,8 +31,15 @@ from sqlalchemy.sql.dml import Insert, ReturningUpdate, Update
 from ledger import dialects, events
 from ledger.errors import LeaseLost
 from ledger.frozen import quick_init, replacer
-from ledger.schema import Json, transactions, transactions_due, transactions_live
-from ledger.states import RESUMABLE, TX_TERMINAL, TxState, check_tx_transition
+from ledger.schema import (
+    Json,
+    column_length,
+    outbox,
+    transactions,
+    transactions_due,
+    transactions_live,
+)
+from ledger.states import RESUMABLE, TX_TERMINAL, EffectState, TxState, check_tx_transition
 from ledger.store import Chain, Work
 
 
@@ -576,6 +583,38 @@ async def count_by_status(conn: AsyncConnection) -> dict[str, int]:
     """Number of transactions per status."""
     stmt = select(transactions.c.status, func.count()).group_by(transactions.c.status)
     return {str(s): int(n) for s, n in (await conn.execute(stmt)).all()}
+
+
+#: Longest lease owner a transaction row holds.
+LEASE_OWNER_MAX = column_length(transactions.c.lease_owner)
+
+
+def _parked() -> ColumnElement[bool]:
+    """Waiting for a person: the transaction is parked, or it committed and an outbox event of
+    it is (the saga is done; only the event waits)."""
+    events_parked = select(outbox.c.tx_id).where(outbox.c.state == EffectState.MANUAL_REVIEW.value)
+    return or_(
+        transactions.c.status == TxState.MANUAL_REVIEW.value,
+        transactions.c.tx_id.in_(events_parked),
+    )
+
+
+async def parked(conn: AsyncConnection, *, limit: int, skip: int = 0) -> list[TxRecord]:
+    """Transactions waiting for a person (:func:`_parked`), oldest first."""
+    stmt = (
+        select(transactions)
+        .where(_parked())
+        .order_by(transactions.c.created_at, transactions.c.tx_id)
+        .offset(skip)
+        .limit(limit)
+    )
+    return [_record(row) for row in (await conn.execute(stmt)).all()]
+
+
+async def count_parked(conn: AsyncConnection) -> int:
+    """How many transactions wait for a person (:func:`_parked`)."""
+    stmt = select(func.count()).select_from(transactions).where(_parked())
+    return int((await conn.execute(stmt)).scalar_one())
 
 
 async def in_status(conn: AsyncConnection, status: TxState, *, limit: int = 100) -> list[TxRecord]:

@@ -561,16 +561,22 @@ def ledger_verify(
 
 def _print_parked(out: Console, parked: Any) -> None:
     reason = parked.reason or {}
-    out.print(
-        f"[bold]{parked.tx_id}[/] ({escape(parked.saga)}): "
-        f"{escape(str(reason.get('reason') or reason.get('code') or 'parked'))}"
-        f" at {escape(str(reason.get('step') or '?'))}"
-    )
+    if parked.status == "manual_review":
+        why = (
+            f"{escape(str(reason.get('reason') or reason.get('code') or 'parked'))}"
+            f" at {escape(str(reason.get('step') or '?'))}"
+        )
+    else:
+        why = f"{escape(parked.status)}; an outbox event is parked"
+    out.print(f"[bold]{parked.tx_id}[/] ({escape(parked.saga)}): {why}")
     for e in parked.parked:
         out.print(
             f"  {e.kind} {escape(e.name)} ({e.provider}.{e.action}) key {e.key}: "
             f"attempts {e.attempts}, lookups {e.lookups}, last answer {escape(str(e.last_error))}"
         )
+        out.print(f"    decide: --op {escape(e.name)} --as {'|'.join(e.decisions)}")
+    if not parked.parked:
+        out.print("  no effect waits for a decision here")
     for entry in parked.ledger:
         out.print(
             f"    #{entry.seq} {utc_iso(entry.created_at)} {escape(entry.action)} "
@@ -580,24 +586,30 @@ def _print_parked(out: Console, parked: Any) -> None:
 
 
 @review_app.command("list")
-def review_list(db: DbOption = DEFAULT_DB) -> None:
-    """Transactions parked in manual_review, why, and their evidence."""
+def review_list(
+    db: DbOption = DEFAULT_DB,
+    limit: Annotated[int, typer.Option(help="How many to show (1-200).")] = 50,
+    skip: Annotated[int, typer.Option(help="How many to skip (oldest first).")] = 0,
+) -> None:
+    """Transactions parked in manual_review (and committed ones whose outbox event is parked),
+    why, their evidence, and what can be decided."""
     from orchestrator import review
 
-    async def job() -> list[Any]:
+    async def job() -> Any:
         orch = await _open_for_reading(db)
         try:
-            return await review.list_parked(orch)
+            return await review.list_parked(orch, limit=limit, skip=skip)
         finally:
             await orch.close()
 
-    parked = _run(job())
+    page = _run(job())
     out = _stdout()
-    if not parked:
-        out.print("nothing is waiting for review")
-        return
-    for p in parked:
+    if not page.items:
+        out.print("nothing is waiting for review" if page.total == 0 else "nothing on this page")
+    for p in page.items:
         _print_parked(out, p)
+    if page.more:
+        out.print(f"{page.more} more: --skip {page.skip + len(page.items)}")
 
 
 @review_app.command("show")

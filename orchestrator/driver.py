@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import structlog
@@ -123,7 +123,7 @@ class SagaRun:
                         crash.hit("record.before_commit", tx_id=self.tx_id, kind="advance")
             else:
                 try:
-                    decision = await self._decide(claim)
+                    decision = self._decidable(claim, await self._decide(claim))
                 except LeaseLost:
                     if self.services.metrics is not None:
                         self.services.metrics.fence_refusals.inc()
@@ -260,7 +260,36 @@ class SagaRun:
                 return False
         return self.services.store.riding_pays()
 
+    def _decidable(self, claim: Claim, decision: Decision) -> Decision:
+        """A refusal the saga cannot go back from parks the *effect*, not only the saga.
+
+        A rejected reversal cannot be compensated in turn, and a rejected step after the pivot
+        may not turn the saga back (:class:`~orchestrator.saga.Step`): nothing automatic may
+        follow. Recorded ``failed``, the effect would be final and leave the operator nothing to
+        decide (``review resolve`` acts on ``manual_review`` effects only), so the saga would be
+        parked for good; recorded ``manual_review`` (the provider's refusal kept as its last
+        answer), it waits for a person like any undecidable effect."""
+        if decision.state is not EffectState.FAILED or not self._cannot_turn_back(claim):
+            return decision
+        return replace(decision, state=EffectState.MANUAL_REVIEW)
+
+    def _cannot_turn_back(self, claim: Claim) -> bool:
+        if claim.kind is EffectKind.COMPENSATION:
+            return True
+        if claim.kind is EffectKind.OPERATION:
+            return bool(self.definition.step(claim.name).get("retriable"))
+        return False  # an outbox event rejected is final: the saga is committed already
+
+    def _park_reason(self, e: Effect) -> str:
+        """Why a saga parks on ``e`` (in ``manual_review``): a refusal says whose it was."""
+        if e.last_error == "rejected":
+            if e.kind is EffectKind.COMPENSATION:
+                return REASON_REVERSAL_REJECTED
+            return REASON_RETRIABLE_REJECTED
+        return e.last_error or "undecidable"
+
     async def _record(self, work: Work, claim: Claim, decision: Decision) -> None:
+        decision = self._decidable(claim, decision)
         await self._write_record(work, claim, decision)
         self._remember(claim, decision)
 
@@ -331,7 +360,7 @@ class SagaRun:
                         return claim
                     continue
                 if op.state is EffectState.MANUAL_REVIEW:
-                    await self._park(work, op.name, op.last_error or "undecidable")
+                    await self._park(work, op.name, self._park_reason(op))
                     return None
                 if op.state is EffectState.PENDING:
                     refusal = await self._preflight(work, op)
@@ -363,7 +392,7 @@ class SagaRun:
                     await self._park(work, step_.name, REASON_REVERSAL_REJECTED)
                     return None
                 if step_.state is EffectState.MANUAL_REVIEW:
-                    await self._park(work, step_.name, step_.last_error or "undecidable")
+                    await self._park(work, step_.name, self._park_reason(step_))
                     return None
                 claim = await self._claim_effect(work, step_, eager=eager)
                 if claim is None:

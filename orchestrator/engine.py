@@ -882,6 +882,8 @@ class Orchestrator:
         """Counts from the database: transactions by status, effects by state, outbox lag."""
         async with self.store.read() as conn:
             by_status = await transactions.count_by_status(conn)
+            # Parked sagas and committed ones whose outbox event waits: what `review list` shows.
+            parked = await transactions.count_parked(conn)
             kinds = {k.value: await effects.count_by_state(conn, k) for k in EffectKind}
             lag = await effects.oldest_unsettled_age_ms(
                 conn, EffectKind.OUTBOX, self.store.db_now()
@@ -889,7 +891,7 @@ class Orchestrator:
         return {
             "transactions": by_status,
             "effects": kinds,
-            "manual_review": by_status.get(TxState.MANUAL_REVIEW.value, 0),
+            "manual_review": parked,
             "outbox_lag_seconds": (lag or 0) / 1000,
         }
 

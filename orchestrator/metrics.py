@@ -70,8 +70,9 @@ class Metrics:
         """Re-read the gauges that describe the database."""
         async with store.read() as conn:
             by_status = await transactions.count_by_status(conn)
+            parked = await transactions.count_parked(conn)  # with parked outbox events
             lag_ms = await effects.oldest_unsettled_age_ms(conn, EffectKind.OUTBOX, store.db_now())
         for status, n in by_status.items():
             self.transactions.labels(status=status).set(n)
-        self.manual_review.set(by_status.get("manual_review", 0))
+        self.manual_review.set(parked)
         self.outbox_lag.set((lag_ms or 0) / 1000)
