@@ -271,7 +271,7 @@ class AgentToolbox:
                 # "Yes" said twice: replay the original, never write again.
                 await self._release(action, record, "staged_released")
                 return await self._status_of(previous.execution_id, stored.name, action.language)
-            if previous is not None and previous.status in ("running", "manual_review", "staged"):
+            if previous is not None and in_flight(previous):
                 await self._release(action, record, "staged_released")
                 return await self._status_of(previous.execution_id, stored.name, action.language)
             takeover = held.execution_id
@@ -584,8 +584,23 @@ async def acknowledge(
     return out
 
 
+def in_flight(record: ExecutionRow) -> bool:
+    """The execution has not ended: it may still write (``running``, or ``failed`` with no error
+    yet), waits for an operator (``manual_review``) or for an approver (``staged``)."""
+    if record.status == "failed":
+        return not record.error
+    return record.status != "succeeded"
+
+
 async def _settle(work: Work, record: ExecutionRow, to_state: str) -> bool:
-    """Move a pending marker to ``to_state`` and free its key; ``False`` if not pending."""
+    """Move a pending marker to ``to_state`` and, once the execution has ended, free its key;
+    ``False`` if not pending.
+
+    An execution still in flight keeps its key whatever happens to its marker: freeing it would
+    let the same request start a second run next to one that may still charge. The marker's
+    state is recorded all the same; when the execution ends, the next identical request finds a
+    held key whose marker is no longer live and takes it over, a new write as after any
+    delivery."""
     marker = marker_of(record)
     if marker is None or marker.state != "pending":
         return False
@@ -594,7 +609,7 @@ async def _settle(work: Work, record: ExecutionRow, to_state: str) -> bool:
     await executions.finish(
         work, record.execution_id, status=record.status, lifecycle_snapshot=snapshot
     )
-    if record.idempotency_key is not None:
+    if record.idempotency_key is not None and not in_flight(record):
         await reservations.release(
             work,
             command_id=record.command_id,

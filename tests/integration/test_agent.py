@@ -389,3 +389,73 @@ async def test_unconfirmed_plans_are_released_once_their_confirmation_expires(
     assert old["status"] == "failed" and old["error_code"] == "staged_released"
     assert (await agent.execute_staged_action(alice, token))["error"] == "confirmation_invalid"
     assert (await world.shop.counts())["inventory.reserve"] == 0
+
+
+# -- audit findings: in-flight keys, concurrent confirmations, expired holders, tenants ---------
+
+
+async def _in_doubt_confirm(
+    world: World, *, parked: bool = False
+) -> tuple[Any, Caller, dict[str, Any], str]:
+    """A confirmed order whose charge response is lost while lookups are down: in doubt
+    (``running``), or with ``parked`` out of lookups and waiting for an operator."""
+    from providers.fake.faults import FaultKind, FaultRule
+
+    world.shop.faults.add(
+        FaultRule(FaultKind.LOSE_RESPONSE, provider="payments", action="charge", times=1)
+    )
+    world.shop.faults.add(
+        FaultRule(FaultKind.LOOKUP_UNAVAILABLE, provider="payments", times=None)
+    )
+    # Lookups that never run out within the call: it stays in doubt.
+    orch = world.orch if parked else await world.engine(reconcile_attempts=1000)
+    alice, info = await _setup(world)
+    token = (await orch.agent.prepare(alice, info["command_id"], ORDER))["confirmation_token"]
+    result = await orch.agent.execute_staged_action(alice, token, budget_seconds=0.2)
+    expected = "manual_review" if parked else "in_doubt"
+    assert (result["status"], result["error"]) == ("running", expected)
+    record = (await world.orch.commands.executions(alice, info["command_id"]))[0]
+    return orch.agent, alice, info, record["execution_id"]
+
+
+@pytest.mark.parametrize("parked", [False, True], ids=["running", "manual_review"])
+async def test_delivering_an_in_flight_reply_keeps_the_key_of_the_execution(
+    world: World, parked: bool
+) -> None:
+    agent, alice, info, execution_id = await _in_doubt_confirm(world, parked=parked)
+    # The "still in progress" reply reached the room: recorded, but the key stays held.
+    assert await agent.mark_delivered(alice, execution_id)
+    assert [m.state for m in await agent.window("room-1")] == ["delivered"]
+    token2 = (await agent.prepare(alice, info["command_id"], ORDER))["confirmation_token"]
+    again = await agent.execute_staged_action(alice, token2, budget_seconds=0.2)
+    assert again["status"] == "running"
+    counts = await world.shop.counts()
+    assert (counts["payments.charge"], counts["inventory.reserve"]) == (1, 1)
+
+
+async def test_acknowledging_an_in_doubt_marker_keeps_the_key_too(world: World) -> None:
+    agent, alice, info, execution_id = await _in_doubt_confirm(world)
+    ops = await add_user(
+        world.orch, "ops", actions=(tuple(OPS_RESOURCE.split(".")),), permissions=("manage",)
+    )
+    done = await agent.acknowledge(ops, "room-1", [execution_id], execute=True, force=True)
+    assert done[0]["result"] == "acknowledged"
+    token2 = (await agent.prepare(alice, info["command_id"], ORDER))["confirmation_token"]
+    again = await agent.execute_staged_action(alice, token2, budget_seconds=0.2)
+    assert again["status"] == "running"
+    assert (await world.shop.counts())["payments.charge"] == 1
+
+
+async def test_once_a_delivered_in_doubt_execution_settles_the_request_is_a_new_write(
+    world: World,
+) -> None:
+    agent, alice, info, execution_id = await _in_doubt_confirm(world)
+    assert await agent.mark_delivered(alice, execution_id)
+    world.shop.faults.clear()
+    async with world.orch.store.transaction() as work:  # as recovery finishes it
+        fresh = await executions.get_for_update(work, execution_id)
+        assert fresh is not None
+        await executions.finish(work, execution_id, status="succeeded")
+    token2 = (await agent.prepare(alice, info["command_id"], ORDER))["confirmation_token"]
+    assert (await agent.execute_staged_action(alice, token2))["status"] == "succeeded"
+    assert (await world.shop.counts())["payments.charge"] == 2
