@@ -61,6 +61,7 @@ from orchestrator.errors import (
     CommandNotFound,
     ConfirmationInvalid,
     ContractMismatch,
+    IdempotencyInProgress,
     LockConflict,
     PrincipalNotAuthorized,
     RoomWriteProtected,
@@ -83,6 +84,11 @@ IN_FLIGHT_FLOOR_MS: Final = 3_600_000
 CONFIRMATION_TTL_MS: Final = 3_600_000
 #: The operator resource: a principal managing it may list and acknowledge delivery markers.
 OPS_RESOURCE: Final = "agent-txn.ops"
+
+
+class _HandOverLost(Exception):
+    """The confirmation hand-over lost a race: the token was confirmed by a concurrent call, or
+    another confirmation of the same request holds its key. Rolls the hand-over back whole."""
 
 
 def agent_key(command_id: str, room_id: str | None, inputs: Any) -> str:
@@ -275,17 +281,33 @@ class AgentToolbox:
                 await self._release(action, record, "staged_released")
                 return await self._status_of(previous.execution_id, stored.name, action.language)
             takeover = held.execution_id
-        if await self.svc._approvals_needed(stored):
-            return await self._to_approval(caller, action, record, row, stored, key, takeover)
+        try:
+            if await self.svc._approvals_needed(stored):
+                return await self._to_approval(caller, action, record, row, stored, key, takeover)
+            return await self._run_confirmed(
+                caller, action, record, row, stored, key, takeover, budget_seconds
+            )
+        except _HandOverLost:
+            return await self._winner(caller, action, record, row, stored, key)
+
+    async def _run_confirmed(
+        self,
+        caller: Caller,
+        action: staged.StagedActionRow,
+        record: ExecutionRow,
+        row: Any,
+        stored: StoredCommand,
+        key: str,
+        takeover: str | None,
+        budget_seconds: float | None,
+    ) -> dict[str, Any]:
+        """Hand the confirmed plan over (token used up, key reserved, marker pending) in the
+        commit that starts it, then drive it."""
         ttl_ms = int(stored.ttl_seconds) * 1000
 
         async def confirm(work: Work) -> None:
             await self.svc._lock_command(work, row)
-            if not await staged.move_action(
-                work, action.token_sha256, from_state="pending", to_state="executed"
-            ):
-                raise ConfirmationInvalid()
-            await self.svc._reserve(work, row, caller, key, takeover, record.execution_id)
+            await _hand_over(self.svc, work, action, row, caller, key, takeover, record)
             marker = {"state": "pending", "expires_at": work.now_ms + ttl_ms}
             await executions.finish(
                 work,
@@ -324,11 +346,7 @@ class AgentToolbox:
 
         async def hand_over(work: Work) -> None:
             await self.svc._lock_command(work, row)
-            if not await staged.move_action(
-                work, action.token_sha256, from_state="pending", to_state="executed"
-            ):
-                raise ConfirmationInvalid()
-            await self.svc._reserve(work, row, caller, key, takeover, record.execution_id)
+            await _hand_over(self.svc, work, action, row, caller, key, takeover, record)
             await staged.insert_change(
                 work,
                 staged_change_id=staged_change_id,
@@ -354,6 +372,35 @@ class AgentToolbox:
 
         await self.svc._with_lock_retries(lambda: self._in_transaction(hand_over))
         return tool_result("staged", stored.name, "approval_required", action.language)
+
+    async def _winner(
+        self,
+        caller: Caller,
+        action: staged.StagedActionRow,
+        record: ExecutionRow,
+        row: Any,
+        stored: StoredCommand,
+        key: str,
+    ) -> dict[str, Any]:
+        """The answer to a confirmation that lost its hand-over race: the status of the call
+        that won, never a refusal that tells the person it was not done.
+
+        The same token confirmed concurrently: the winner moved it to ``executed`` and runs this
+        very execution. Another token of the same request: its execution holds the key; this
+        plan is retired as a duplicate, as when the repeat comes after the winner."""
+        # Read in a write transaction, not a plain read: on SQLite the losing hand-over can end
+        # while the commit group holding the winner's is not committed yet. A write transaction
+        # sees that group's rows (it joins the group, or begins after it) and ends only once
+        # they are durable, so the status read after it is the winner's.
+        async with self._store.transaction() as work:
+            fresh = await staged.get_action(work.conn, action.token_sha256)
+            held = await reservations.get(work.conn, row.command_id, caller.bucket, key)
+        if fresh is not None and fresh.state == "executed":
+            return await self._status_of(record.execution_id, stored.name, action.language)
+        if fresh is not None and fresh.state == "pending" and held is not None:
+            await self._release(action, record, "staged_released")
+            return await self._status_of(held.execution_id, stored.name, action.language)
+        raise ConfirmationInvalid()  # retired meanwhile (expired, or the command was edited)
 
     async def _release_expired(self, caller: Caller) -> None:
         """Retire this person's unconfirmed plans whose confirmation expired (lazily, a few at a
@@ -582,6 +629,28 @@ async def acknowledge(
             entry["result"] = "acknowledged" if done else "not_pending"
         out.append(entry)
     return out
+
+
+async def _hand_over(
+    svc: CommandService,
+    work: Work,
+    action: staged.StagedActionRow,
+    row: Any,
+    caller: Caller,
+    key: str,
+    takeover: str | None,
+    record: ExecutionRow,
+) -> None:
+    """Use the token up and reserve the request's key for this execution, both by
+    compare-and-set; :class:`_HandOverLost` when a concurrent confirmation got there first."""
+    if not await staged.move_action(
+        work, action.token_sha256, from_state="pending", to_state="executed"
+    ):
+        raise _HandOverLost()
+    try:
+        await svc._reserve(work, row, caller, key, takeover, record.execution_id)
+    except IdempotencyInProgress as exc:
+        raise _HandOverLost() from exc
 
 
 def in_flight(record: ExecutionRow) -> bool:

@@ -459,3 +459,39 @@ async def test_once_a_delivered_in_doubt_execution_settles_the_request_is_a_new_
     token2 = (await agent.prepare(alice, info["command_id"], ORDER))["confirmation_token"]
     assert (await agent.execute_staged_action(alice, token2))["status"] == "succeeded"
     assert (await world.shop.counts())["payments.charge"] == 2
+
+
+async def test_one_token_confirmed_three_times_at_once_answers_the_winners_status(
+    world: World,
+) -> None:
+    import asyncio
+
+    alice, info = await _setup(world)
+    agent = world.orch.agent
+    token = (await agent.prepare(alice, info["command_id"], ORDER))["confirmation_token"]
+    results = await asyncio.gather(*(agent.execute_staged_action(alice, token) for _ in range(3)))
+    for result in results:
+        assert result["status"] in ("succeeded", "running"), result
+        assert result["error"] in (None, "in_doubt"), result
+    assert [r["status"] for r in results].count("succeeded") >= 1
+    assert await _charges(world) == 1
+
+
+async def test_two_tokens_for_one_request_confirmed_at_once_answer_the_winners_status(
+    world: World,
+) -> None:
+    import asyncio
+
+    alice, info = await _setup(world)
+    agent = world.orch.agent
+    tokens = [
+        (await agent.prepare(alice, info["command_id"], ORDER))["confirmation_token"]
+        for _ in range(2)
+    ]
+    results = await asyncio.gather(*(agent.execute_staged_action(alice, t) for t in tokens))
+    for result in results:
+        assert result["status"] in ("succeeded", "running"), result
+        assert result["error"] in (None, "in_doubt"), result
+    assert await _charges(world) == 1
+    statuses = sorted(e["status"] for e in await world.orch.commands.executions(alice, info["command_id"]))
+    assert statuses == ["failed", "succeeded"]  # the loser's plan was retired, not left staged
