@@ -37,6 +37,7 @@ Guarantees (seed 000, "Agent 工具箱" and "Agent 派送調解視窗"):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import re
@@ -87,8 +88,9 @@ OPS_RESOURCE: Final = "agent-txn.ops"
 
 
 class _HandOverLost(Exception):
-    """The confirmation hand-over lost a race: the token was confirmed by a concurrent call, or
-    another confirmation of the same request holds its key. Rolls the hand-over back whole."""
+    """A compare-and-set on a staged plan lost a race: the token was confirmed or released by a
+    concurrent call, or another confirmation of the same request holds its key. Rolls the
+    transaction back whole."""
 
 
 def agent_key(command_id: str, room_id: str | None, inputs: Any) -> str:
@@ -427,22 +429,45 @@ class AgentToolbox:
         except StorageError as exc:
             raise StoreUnavailableError() from exc
 
+    async def release_expired_holder(self, tx_id: str) -> bool:
+        """Retire the staged plan ``tx_id`` if it is an agent plan whose confirmation expired
+        unconfirmed, whoever prepared it; ``True`` if it was one (retired now, by this call or
+        a concurrent one), so the caller's write it blocked may be tried again.
+
+        An unconfirmed plan holds its business key like any live transaction (the unique index
+        cannot know about confirmation windows). Without this, one person's abandoned prepare
+        blocked everybody else's write of the same business key until that person came back
+        (:meth:`_release_expired` retires only the caller's own plans)."""
+        async with self.svc._read() as conn:
+            record = await executions.by_tx(conn, tx_id)
+            action = await staged.action_of(conn, record.execution_id) if record else None
+        if record is None or action is None or record.status != "staged":
+            return False
+        if action.state != "pending" or action.expires_at > self._store.now_ms():
+            return False
+        await self._release(action, record, "staged_released")
+        return True
+
     async def _release(
         self, action: staged.StagedActionRow, record: ExecutionRow, code: str
     ) -> None:
-        """Retire a staged plan that will not run (duplicate confirmation, edited command)."""
+        """Retire a staged plan that will not run (duplicate confirmation, edited command,
+        expired confirmation); nothing if its token is no longer pending (a concurrent
+        confirmation or release got there first: its outcome stands)."""
 
         async def retire(work: Work) -> None:
-            await staged.move_action(
+            if not await staged.move_action(
                 work, action.token_sha256, from_state="pending", to_state="released"
-            )
+            ):
+                raise _HandOverLost()
             code_, text = audit.error_of({"code": code})
             await executions.finish(
                 work, record.execution_id, status="failed", error_code=code_, error=text
             )
 
         if record.tx_id is not None:
-            await self.svc.orch.release_staged(record.tx_id, code=code, hook=retire)
+            with contextlib.suppress(_HandOverLost):
+                await self.svc.orch.release_staged(record.tx_id, code=code, hook=retire)
 
     # -- status and delivery -------------------------------------------------------------------
 

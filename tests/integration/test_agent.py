@@ -495,3 +495,63 @@ async def test_two_tokens_for_one_request_confirmed_at_once_answer_the_winners_s
     assert await _charges(world) == 1
     statuses = sorted(e["status"] for e in await world.orch.commands.executions(alice, info["command_id"]))
     assert statuses == ["failed", "succeeded"]  # the loser's plan was retired, not left staged
+
+
+BUSINESS_KEY = {"$concat": ["order:", {"$ref": "inputs.order_id"}]}
+
+
+async def _bob_in_room(world: World) -> Caller:
+    await add_user(world.orch, "bob")
+    async with world.orch.store.transaction() as work:
+        await principals.join_room(work, "room-1", "bob")
+    return Caller(principal_id="bob", kind="user", auth="jwt", room_id="room-1", ai=True)
+
+
+async def test_an_expired_unconfirmed_plan_of_another_person_does_not_hold_the_business_key(
+    world: World,
+) -> None:
+    alice, info = await _setup(world, business_key=BUSINESS_KEY)
+    bob = await _bob_in_room(world)
+    agent = world.orch.agent
+    bobs = (await agent.prepare(bob, info["command_id"], ORDER))["confirmation_token"]
+    # While bob's confirmation is open, the order is his to confirm.
+    with pytest.raises(errors.BusinessKeyConflict):
+        await world.orch.commands.execute(alice, info["command_id"], ORDER)
+    world.orch.store.advance_clock(3601)  # bob never confirms
+    outcome = await world.orch.commands.execute(alice, info["command_id"], ORDER)
+    assert outcome.status_code == 200
+    assert (await agent.execute_staged_action(bob, bobs))["error"] == "confirmation_invalid"
+    assert await _charges(world) == 1
+
+
+async def test_racing_writers_past_an_expired_plan_write_once(world: World) -> None:
+    import asyncio
+
+    alice, info = await _setup(world, business_key=BUSINESS_KEY)
+    bob = await _bob_in_room(world)
+    await add_user(world.orch, "carol")
+    carol = Caller(principal_id="carol", kind="user", auth="jwt")
+    await world.orch.agent.prepare(bob, info["command_id"], ORDER)
+    world.orch.store.advance_clock(3601)
+    outcomes = await asyncio.gather(
+        *(world.orch.commands.execute(c, info["command_id"], ORDER) for c in (alice, carol)),
+        return_exceptions=True,
+    )
+    done = [o for o in outcomes if not isinstance(o, BaseException)]
+    refused = [o for o in outcomes if isinstance(o, BaseException)]
+    assert [o.status_code for o in done] == [200], outcomes
+    assert all(isinstance(o, errors.BusinessKeyConflict) for o in refused), outcomes
+    assert await _charges(world) == 1
+
+
+async def test_an_expired_unconfirmed_plan_does_not_block_another_persons_prepare(
+    world: World,
+) -> None:
+    alice, info = await _setup(world, business_key=BUSINESS_KEY)
+    bob = await _bob_in_room(world)
+    agent = world.orch.agent
+    await agent.prepare(bob, info["command_id"], ORDER)
+    world.orch.store.advance_clock(3601)
+    token = (await agent.prepare(alice, info["command_id"], ORDER))["confirmation_token"]
+    assert (await agent.execute_staged_action(alice, token))["status"] == "succeeded"
+    assert await _charges(world) == 1
