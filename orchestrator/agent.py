@@ -478,6 +478,9 @@ class AgentToolbox:
             action, record, _row, stored = await self._confirmation(caller, token)
         except AgentTxnError as exc:
             return tool_error(exc, "", "en")
+        if action.state == "pending" and action.expires_at <= self._store.now_ms():
+            # What confirming it now would answer: nothing waits for the person any more.
+            return tool_error(ConfirmationInvalid(), stored.name, action.language)
         if action.state == "pending":
             return tool_result("staged", stored.name, None, action.language)
         try:

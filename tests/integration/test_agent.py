@@ -555,3 +555,16 @@ async def test_an_expired_unconfirmed_plan_does_not_block_another_persons_prepar
     token = (await agent.prepare(alice, info["command_id"], ORDER))["confirmation_token"]
     assert (await agent.execute_staged_action(alice, token))["status"] == "succeeded"
     assert await _charges(world) == 1
+
+
+async def test_status_of_an_expired_unconfirmed_token_says_it_is_no_longer_valid(
+    world: World,
+) -> None:
+    alice, info = await _setup(world)
+    agent = world.orch.agent
+    token = (await agent.prepare(alice, info["command_id"], ORDER))["confirmation_token"]
+    assert (await agent.execution_status(alice, token))["status"] == "staged"
+    world.orch.store.advance_clock(3601)
+    status = await agent.execution_status(alice, token)
+    assert (status["status"], status["error"]) == ("failed", "confirmation_invalid")
+    assert status == await agent.execute_staged_action(alice, token)
