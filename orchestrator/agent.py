@@ -541,13 +541,15 @@ class AgentToolbox:
             raise RoomWriteProtected()
 
     async def window(self, room_id: str) -> list[Marker]:
-        """The room's markers (newest first), expired ones flipped first (see :func:`window`)."""
-        return await window(self._store, room_id)
+        """The room's markers of this tenant (newest first), expired ones flipped first (see
+        :func:`window`)."""
+        return await window(self._store, room_id, tenant=self.svc.tenant)
 
     async def deliveries(self, operator: Caller, room_id: str) -> list[dict[str, Any]]:
-        """Markers of a room with their state, ``expires_at`` and ``in_window`` (operators)."""
+        """Markers of a room with their state, ``expires_at`` and ``in_window`` (operators of
+        this tenant, its markers only)."""
         await self._require_operator(operator)
-        return await deliveries(self._store, room_id)
+        return await deliveries(self._store, room_id, tenant=self.svc.tenant)
 
     async def acknowledge(
         self,
@@ -560,7 +562,14 @@ class AgentToolbox:
     ) -> list[dict[str, Any]]:
         """Release selected markers (operators); see :func:`acknowledge`."""
         await self._require_operator(operator)
-        return await acknowledge(self._store, room_id, execution_ids, execute=execute, force=force)
+        return await acknowledge(
+            self._store,
+            room_id,
+            execution_ids,
+            tenant=self.svc.tenant,
+            execute=execute,
+            force=force,
+        )
 
     async def _require_operator(self, operator: Caller) -> Principal:
         authz.require_jwt(operator)
@@ -577,11 +586,11 @@ class AgentToolbox:
         return principal
 
 
-async def window(store: Any, room_id: str) -> list[Marker]:
-    """The room's markers (newest first), after flipping expired ones in a separate
-    best-effort transaction that only logs its errors."""
+async def window(store: Any, room_id: str, *, tenant: str) -> list[Marker]:
+    """The room's markers of ``tenant`` (newest first), after flipping expired ones in a
+    separate best-effort transaction that only logs its errors."""
     async with store.read() as conn:
-        rows = await executions.agent_window(conn, room_id, limit=WINDOW_ROWS)
+        rows = await executions.agent_window(conn, room_id, tenant=tenant, limit=WINDOW_ROWS)
     markers = [m for m in (marker_of(r) for r in rows) if m is not None]
     now = store.now_ms()
     expired = [m for m in markers if m.state == "pending" and m.expires_at <= now]
@@ -604,8 +613,8 @@ async def window(store: Any, room_id: str) -> list[Marker]:
 # -- operators (also used by `agent-txn ops deliveries`, which runs with database access) ------
 
 
-async def deliveries(store: Any, room_id: str) -> list[dict[str, Any]]:
-    """Markers of a room with their state, ``expires_at`` and ``in_window``."""
+async def deliveries(store: Any, room_id: str, *, tenant: str) -> list[dict[str, Any]]:
+    """Markers of ``tenant`` in a room with their state, ``expires_at`` and ``in_window``."""
     now = store.now_ms()
     return [
         {
@@ -616,7 +625,7 @@ async def deliveries(store: Any, room_id: str) -> list[dict[str, Any]]:
             "in_window": m.live(now),
             "created_at": audit.iso(m.execution.created_at),
         }
-        for m in await window(store, room_id)
+        for m in await window(store, room_id, tenant=tenant)
     ]
 
 
@@ -625,13 +634,14 @@ async def acknowledge(
     room_id: str,
     execution_ids: Sequence[str],
     *,
+    tenant: str,
     execute: bool = False,
     force: bool = False,
 ) -> list[dict[str, Any]]:
-    """Release selected markers. ``execute=False`` previews per marker and writes nothing;
+    """Release selected markers of ``tenant`` (another tenant's are ``not_found``). ``execute=False`` previews per marker and writes nothing;
     in-window markers need ``force`` (it re-opens the window for duplicates). Never undoes
     a committed write: only the marker and its key are released."""
-    by_id = {m.execution.execution_id: m for m in await window(store, room_id)}
+    by_id = {m.execution.execution_id: m for m in await window(store, room_id, tenant=tenant)}
     now = store.now_ms()
     out: list[dict[str, Any]] = []
     for execution_id in execution_ids:

@@ -43,6 +43,16 @@ DbOption = Annotated[
     ),
 ]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print the result as JSON.")]
+#: Delivery markers are a tenant's: rooms of two tenants sharing a database may share an id.
+TenantOption = Annotated[
+    str,
+    typer.Option(
+        "--tenant",
+        envvar="AGENT_TXN_TENANT",
+        show_envvar=True,
+        help="Tenant whose markers (as `agent-txn serve --tenant`).",
+    ),
+]
 
 
 def _run(db: str, job: Callable[[Store], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
@@ -113,6 +123,7 @@ def requeue_callbacks(
 def deliveries(
     room: Annotated[str, typer.Argument(help="The room whose delivery markers to list.")],
     db: DbOption = DEFAULT_DB,
+    tenant: TenantOption = "default",
     as_json: JsonOption = False,
 ) -> None:
     """List a room's agent delivery markers: state, expires_at, in_window (expired ones are
@@ -120,7 +131,8 @@ def deliveries(
     from orchestrator import agent
 
     checked_text(room, "ROOM", 64)
-    rows = _run(db, lambda store: _wrap(agent.deliveries(store, room)))["markers"]
+    checked_text(tenant, "--tenant", 100)
+    rows = _run(db, lambda store: _wrap(agent.deliveries(store, room, tenant=tenant)))["markers"]
     text = "\n".join(
         f"{m['execution_id']}  {m['state']:<12} expires {m['expires_at']}  "
         f"{'in window' if m['in_window'] else 'outside window'}"
@@ -143,16 +155,18 @@ def acknowledge(
         typer.Option("--force", help="Also release in-window markers (re-opens duplicates)."),
     ] = False,
     db: DbOption = DEFAULT_DB,
+    tenant: TenantOption = "default",
     as_json: JsonOption = False,
 ) -> None:
     """Release selected delivery markers; never rolls back a committed write."""
     from orchestrator import agent
 
     checked_text(room, "ROOM", 64)
+    checked_text(tenant, "--tenant", 100)
     rows = _run(
         db,
         lambda store: _wrap(
-            agent.acknowledge(store, room, execution, execute=execute, force=force)
+            agent.acknowledge(store, room, execution, tenant=tenant, execute=execute, force=force)
         ),
     )["markers"]
     text = "\n".join(f"{m['execution_id']}  {m['result']}" for m in rows)

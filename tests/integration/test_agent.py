@@ -568,3 +568,38 @@ async def test_status_of_an_expired_unconfirmed_token_says_it_is_no_longer_valid
     status = await agent.execution_status(alice, token)
     assert (status["status"], status["error"]) == ("failed", "confirmation_invalid")
     assert status == await agent.execute_staged_action(alice, token)
+
+
+async def test_delivery_markers_are_per_tenant(world: World) -> None:
+    alice, info = await _setup(world)
+    agent = world.orch.agent
+    token = (await agent.prepare(alice, info["command_id"], ORDER))["confirmation_token"]
+    await agent.execute_staged_action(alice, token)
+    mine = (await world.orch.commands.executions(alice, info["command_id"]))[0]["execution_id"]
+    other = await world.engine(tenant="other")
+    ops = await add_user(
+        other,
+        "ops-other",
+        actions=(tuple(OPS_RESOURCE.split(".")),),
+        permissions=("manage",),
+        tenant="other",
+    )
+    # Another tenant's operator sees nothing of this room and cannot release its marker.
+    assert await other.agent.deliveries(ops, "room-1") == []
+    done = await other.agent.acknowledge(ops, "room-1", [mine], execute=True, force=True)
+    assert done[0]["result"] == "not_found"
+    assert [m.state for m in await agent.window("room-1")] == ["pending"]
+    # Nor do this tenant's pending markers fill the other tenant's room of the same id.
+    for n in range(MAX_LIVE_MARKERS):  # with the first one: one over the limit
+        t = (await agent.prepare(alice, info["command_id"], {**ORDER, "amount": 100 + n}))[
+            "confirmation_token"
+        ]
+        await agent.execute_staged_action(alice, t)
+    with pytest.raises(errors.RoomWriteProtected):
+        await agent.prepare(alice, info["command_id"], {**ORDER, "amount": 99})
+    carol = await add_user(other, "carol", tenant="other")
+    async with other.store.transaction() as work:
+        await principals.join_room(work, "room-1", "carol")
+    theirs = await other.commands.create(carol, order_command())
+    carol = Caller(principal_id="carol", kind="user", auth="jwt", room_id="room-1", ai=True)
+    assert (await other.agent.prepare(carol, theirs["command_id"], ORDER))["proposal"]
