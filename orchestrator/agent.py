@@ -22,7 +22,9 @@ Guarantees (seed 000, "Agent 工具箱" and "Agent 派送調解視窗"):
   replays the original execution instead of writing again. The marker is released when the
   runtime reports the reply crossed the room's visibility boundary (:meth:`mark_delivered`), or
   when its TTL (the definition's ``delivery_reconciliation_ttl_seconds``, resolved at execute time
-  into an absolute ``expires_at``) passes.
+  into an absolute ``expires_at``) passes. An execution still in flight keeps its key whatever
+  its marker says, so the same request never runs next to one that may still charge.
+* **Markers are a tenant's**: the window of a room holds this tenant's executions only.
 * **Expiry is lazy**: each delivery lookup in a room scans its latest 65 agent-confirmed
   executions and flips expired markers in a separate best-effort transaction that only logs its
   errors. Markers without a parsable ``expires_at`` expire at ``created_at + 900 s``; an in-flight
@@ -509,7 +511,10 @@ class AgentToolbox:
 
     async def mark_delivered(self, caller: Caller, execution_id: str) -> bool:
         """The reply crossed the room's visibility boundary: release the marker (and its key, so
-        a later identical request is a new write). ``False`` if nothing was pending."""
+        a later identical request is a new write). ``False`` if nothing was pending.
+
+        The reply of an execution still in flight ("still in progress") is recorded as
+        delivered too, but its key stays held until the execution ends (:func:`_settle`)."""
         authz.require_jwt(caller)
         async with self._store.transaction() as work:
             record = await executions.get_for_update(work, execution_id)
@@ -638,9 +643,10 @@ async def acknowledge(
     execute: bool = False,
     force: bool = False,
 ) -> list[dict[str, Any]]:
-    """Release selected markers of ``tenant`` (another tenant's are ``not_found``). ``execute=False`` previews per marker and writes nothing;
-    in-window markers need ``force`` (it re-opens the window for duplicates). Never undoes
-    a committed write: only the marker and its key are released."""
+    """Release selected markers of ``tenant`` (another tenant's are ``not_found``).
+    ``execute=False`` previews per marker and writes nothing; in-window markers need ``force``
+    (it re-opens the window for duplicates). Never undoes a committed write: only the marker
+    and, once its execution has ended, its key are released (see :func:`_settle`)."""
     by_id = {m.execution.execution_id: m for m in await window(store, room_id, tenant=tenant)}
     now = store.now_ms()
     out: list[dict[str, Any]] = []

@@ -318,6 +318,7 @@ async def test_ops_cli_lists_previews_and_acknowledges_markers(world: World) -> 
 
     listed = run("ops", "deliveries", "room-1")
     assert [(m["state"], m["in_window"]) for m in listed] == [("pending", True)]
+    assert run("ops", "deliveries", "room-1", "--tenant", "other") == []  # not its markers
     execution_id = listed[0]["execution_id"]
     assert run("ops", "acknowledge", "room-1", "-e", execution_id, "--force")[0]["result"] == (
         "would_acknowledge"
@@ -404,9 +405,7 @@ async def _in_doubt_confirm(
     world.shop.faults.add(
         FaultRule(FaultKind.LOSE_RESPONSE, provider="payments", action="charge", times=1)
     )
-    world.shop.faults.add(
-        FaultRule(FaultKind.LOOKUP_UNAVAILABLE, provider="payments", times=None)
-    )
+    world.shop.faults.add(FaultRule(FaultKind.LOOKUP_UNAVAILABLE, provider="payments", times=None))
     # Lookups that never run out within the call: it stays in doubt.
     orch = world.orch if parked else await world.engine(reconcile_attempts=1000)
     alice, info = await _setup(world)
@@ -493,7 +492,9 @@ async def test_two_tokens_for_one_request_confirmed_at_once_answer_the_winners_s
         assert result["status"] in ("succeeded", "running"), result
         assert result["error"] in (None, "in_doubt"), result
     assert await _charges(world) == 1
-    statuses = sorted(e["status"] for e in await world.orch.commands.executions(alice, info["command_id"]))
+    statuses = sorted(
+        e["status"] for e in await world.orch.commands.executions(alice, info["command_id"])
+    )
     assert statuses == ["failed", "succeeded"]  # the loser's plan was retired, not left staged
 
 
