@@ -221,17 +221,24 @@ async def prune(work: Work, *, cutoff_ms: int, tenant: str | None = None) -> int
     return len(victims)
 
 
-async def agent_window(conn: AsyncConnection, room_id: str, *, limit: int) -> list[ExecutionRow]:
-    """The room's latest agent-confirmed executions, newest first (the delivery window's scan).
+async def agent_window(
+    conn: AsyncConnection, room_id: str, *, tenant: str, limit: int
+) -> list[ExecutionRow]:
+    """The room's latest agent-confirmed executions of ``tenant``'s commands, newest first (the
+    delivery window's scan).
 
     Only executions keyed ``agent-confirmed:…`` carry a delivery marker; manual REST executions
-    never do, so they are not in the window."""
+    never do, so they are not in the window. Room ids are not unique across tenants sharing a
+    database, so the tenant (its commands') bounds the scan: another tenant's room of the same
+    id neither shows its markers here nor fills this window."""
     stmt = (
         select(executions)
+        .join(commands, commands.c.command_id == executions.c.command_id)
         .where(
             executions.c.room_id == room_id,
             executions.c.origin == "agent",
             executions.c.idempotency_key.like("agent-confirmed:%"),
+            commands.c.tenant == tenant,
         )
         .order_by(executions.c.created_at.desc(), executions.c.execution_id.desc())
         .limit(limit)

@@ -22,7 +22,9 @@ Guarantees (seed 000, "Agent 工具箱" and "Agent 派送調解視窗"):
   replays the original execution instead of writing again. The marker is released when the
   runtime reports the reply crossed the room's visibility boundary (:meth:`mark_delivered`), or
   when its TTL (the definition's ``delivery_reconciliation_ttl_seconds``, resolved at execute time
-  into an absolute ``expires_at``) passes.
+  into an absolute ``expires_at``) passes. An execution still in flight keeps its key whatever
+  its marker says, so the same request never runs next to one that may still charge.
+* **Markers are a tenant's**: the window of a room holds this tenant's executions only.
 * **Expiry is lazy**: each delivery lookup in a room scans its latest 65 agent-confirmed
   executions and flips expired markers in a separate best-effort transaction that only logs its
   errors. Markers without a parsable ``expires_at`` expire at ``created_at + 900 s``; an in-flight
@@ -37,6 +39,7 @@ Guarantees (seed 000, "Agent 工具箱" and "Agent 派送調解視窗"):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import re
@@ -61,6 +64,7 @@ from orchestrator.errors import (
     CommandNotFound,
     ConfirmationInvalid,
     ContractMismatch,
+    IdempotencyInProgress,
     LockConflict,
     PrincipalNotAuthorized,
     RoomWriteProtected,
@@ -83,6 +87,12 @@ IN_FLIGHT_FLOOR_MS: Final = 3_600_000
 CONFIRMATION_TTL_MS: Final = 3_600_000
 #: The operator resource: a principal managing it may list and acknowledge delivery markers.
 OPS_RESOURCE: Final = "agent-txn.ops"
+
+
+class _HandOverLost(Exception):
+    """A compare-and-set on a staged plan lost a race: the token was confirmed or released by a
+    concurrent call, or another confirmation of the same request holds its key. Rolls the
+    transaction back whole."""
 
 
 def agent_key(command_id: str, room_id: str | None, inputs: Any) -> str:
@@ -271,21 +281,37 @@ class AgentToolbox:
                 # "Yes" said twice: replay the original, never write again.
                 await self._release(action, record, "staged_released")
                 return await self._status_of(previous.execution_id, stored.name, action.language)
-            if previous is not None and previous.status in ("running", "manual_review", "staged"):
+            if previous is not None and in_flight(previous):
                 await self._release(action, record, "staged_released")
                 return await self._status_of(previous.execution_id, stored.name, action.language)
             takeover = held.execution_id
-        if await self.svc._approvals_needed(stored):
-            return await self._to_approval(caller, action, record, row, stored, key, takeover)
+        try:
+            if await self.svc._approvals_needed(stored):
+                return await self._to_approval(caller, action, record, row, stored, key, takeover)
+            return await self._run_confirmed(
+                caller, action, record, row, stored, key, takeover, budget_seconds
+            )
+        except _HandOverLost:
+            return await self._winner(caller, action, record, row, stored, key)
+
+    async def _run_confirmed(
+        self,
+        caller: Caller,
+        action: staged.StagedActionRow,
+        record: ExecutionRow,
+        row: Any,
+        stored: StoredCommand,
+        key: str,
+        takeover: str | None,
+        budget_seconds: float | None,
+    ) -> dict[str, Any]:
+        """Hand the confirmed plan over (token used up, key reserved, marker pending) in the
+        commit that starts it, then drive it."""
         ttl_ms = int(stored.ttl_seconds) * 1000
 
         async def confirm(work: Work) -> None:
             await self.svc._lock_command(work, row)
-            if not await staged.move_action(
-                work, action.token_sha256, from_state="pending", to_state="executed"
-            ):
-                raise ConfirmationInvalid()
-            await self.svc._reserve(work, row, caller, key, takeover, record.execution_id)
+            await _hand_over(self.svc, work, action, row, caller, key, takeover, record)
             marker = {"state": "pending", "expires_at": work.now_ms + ttl_ms}
             await executions.finish(
                 work,
@@ -324,11 +350,7 @@ class AgentToolbox:
 
         async def hand_over(work: Work) -> None:
             await self.svc._lock_command(work, row)
-            if not await staged.move_action(
-                work, action.token_sha256, from_state="pending", to_state="executed"
-            ):
-                raise ConfirmationInvalid()
-            await self.svc._reserve(work, row, caller, key, takeover, record.execution_id)
+            await _hand_over(self.svc, work, action, row, caller, key, takeover, record)
             await staged.insert_change(
                 work,
                 staged_change_id=staged_change_id,
@@ -355,6 +377,35 @@ class AgentToolbox:
         await self.svc._with_lock_retries(lambda: self._in_transaction(hand_over))
         return tool_result("staged", stored.name, "approval_required", action.language)
 
+    async def _winner(
+        self,
+        caller: Caller,
+        action: staged.StagedActionRow,
+        record: ExecutionRow,
+        row: Any,
+        stored: StoredCommand,
+        key: str,
+    ) -> dict[str, Any]:
+        """The answer to a confirmation that lost its hand-over race: the status of the call
+        that won, never a refusal that tells the person it was not done.
+
+        The same token confirmed concurrently: the winner moved it to ``executed`` and runs this
+        very execution. Another token of the same request: its execution holds the key; this
+        plan is retired as a duplicate, as when the repeat comes after the winner."""
+        # Read in a write transaction, not a plain read: on SQLite the losing hand-over can end
+        # while the commit group holding the winner's is not committed yet. A write transaction
+        # sees that group's rows (it joins the group, or begins after it) and ends only once
+        # they are durable, so the status read after it is the winner's.
+        async with self._store.transaction() as work:
+            fresh = await staged.get_action(work.conn, action.token_sha256)
+            held = await reservations.get(work.conn, row.command_id, caller.bucket, key)
+        if fresh is not None and fresh.state == "executed":
+            return await self._status_of(record.execution_id, stored.name, action.language)
+        if fresh is not None and fresh.state == "pending" and held is not None:
+            await self._release(action, record, "staged_released")
+            return await self._status_of(held.execution_id, stored.name, action.language)
+        raise ConfirmationInvalid()  # retired meanwhile (expired, or the command was edited)
+
     async def _release_expired(self, caller: Caller) -> None:
         """Retire this person's unconfirmed plans whose confirmation expired (lazily, a few at a
         time), so staged plans nobody confirmed do not pile up forever."""
@@ -380,22 +431,45 @@ class AgentToolbox:
         except StorageError as exc:
             raise StoreUnavailableError() from exc
 
+    async def release_expired_holder(self, tx_id: str) -> bool:
+        """Retire the staged plan ``tx_id`` if it is an agent plan whose confirmation expired
+        unconfirmed, whoever prepared it; ``True`` if it was one (retired now, by this call or
+        a concurrent one), so the caller's write it blocked may be tried again.
+
+        An unconfirmed plan holds its business key like any live transaction (the unique index
+        cannot know about confirmation windows). Without this, one person's abandoned prepare
+        blocked everybody else's write of the same business key until that person came back
+        (:meth:`_release_expired` retires only the caller's own plans)."""
+        async with self.svc._read() as conn:
+            record = await executions.by_tx(conn, tx_id)
+            action = await staged.action_of(conn, record.execution_id) if record else None
+        if record is None or action is None or record.status != "staged":
+            return False
+        if action.state != "pending" or action.expires_at > self._store.now_ms():
+            return False
+        await self._release(action, record, "staged_released")
+        return True
+
     async def _release(
         self, action: staged.StagedActionRow, record: ExecutionRow, code: str
     ) -> None:
-        """Retire a staged plan that will not run (duplicate confirmation, edited command)."""
+        """Retire a staged plan that will not run (duplicate confirmation, edited command,
+        expired confirmation); nothing if its token is no longer pending (a concurrent
+        confirmation or release got there first: its outcome stands)."""
 
         async def retire(work: Work) -> None:
-            await staged.move_action(
+            if not await staged.move_action(
                 work, action.token_sha256, from_state="pending", to_state="released"
-            )
+            ):
+                raise _HandOverLost()
             code_, text = audit.error_of({"code": code})
             await executions.finish(
                 work, record.execution_id, status="failed", error_code=code_, error=text
             )
 
         if record.tx_id is not None:
-            await self.svc.orch.release_staged(record.tx_id, code=code, hook=retire)
+            with contextlib.suppress(_HandOverLost):
+                await self.svc.orch.release_staged(record.tx_id, code=code, hook=retire)
 
     # -- status and delivery -------------------------------------------------------------------
 
@@ -406,6 +480,9 @@ class AgentToolbox:
             action, record, _row, stored = await self._confirmation(caller, token)
         except AgentTxnError as exc:
             return tool_error(exc, "", "en")
+        if action.state == "pending" and action.expires_at <= self._store.now_ms():
+            # What confirming it now would answer: nothing waits for the person any more.
+            return tool_error(ConfirmationInvalid(), stored.name, action.language)
         if action.state == "pending":
             return tool_result("staged", stored.name, None, action.language)
         try:
@@ -434,7 +511,10 @@ class AgentToolbox:
 
     async def mark_delivered(self, caller: Caller, execution_id: str) -> bool:
         """The reply crossed the room's visibility boundary: release the marker (and its key, so
-        a later identical request is a new write). ``False`` if nothing was pending."""
+        a later identical request is a new write). ``False`` if nothing was pending.
+
+        The reply of an execution still in flight ("still in progress") is recorded as
+        delivered too, but its key stays held until the execution ends (:func:`_settle`)."""
         authz.require_jwt(caller)
         async with self._store.transaction() as work:
             record = await executions.get_for_update(work, execution_id)
@@ -466,13 +546,15 @@ class AgentToolbox:
             raise RoomWriteProtected()
 
     async def window(self, room_id: str) -> list[Marker]:
-        """The room's markers (newest first), expired ones flipped first (see :func:`window`)."""
-        return await window(self._store, room_id)
+        """The room's markers of this tenant (newest first), expired ones flipped first (see
+        :func:`window`)."""
+        return await window(self._store, room_id, tenant=self.svc.tenant)
 
     async def deliveries(self, operator: Caller, room_id: str) -> list[dict[str, Any]]:
-        """Markers of a room with their state, ``expires_at`` and ``in_window`` (operators)."""
+        """Markers of a room with their state, ``expires_at`` and ``in_window`` (operators of
+        this tenant, its markers only)."""
         await self._require_operator(operator)
-        return await deliveries(self._store, room_id)
+        return await deliveries(self._store, room_id, tenant=self.svc.tenant)
 
     async def acknowledge(
         self,
@@ -485,7 +567,14 @@ class AgentToolbox:
     ) -> list[dict[str, Any]]:
         """Release selected markers (operators); see :func:`acknowledge`."""
         await self._require_operator(operator)
-        return await acknowledge(self._store, room_id, execution_ids, execute=execute, force=force)
+        return await acknowledge(
+            self._store,
+            room_id,
+            execution_ids,
+            tenant=self.svc.tenant,
+            execute=execute,
+            force=force,
+        )
 
     async def _require_operator(self, operator: Caller) -> Principal:
         authz.require_jwt(operator)
@@ -502,11 +591,11 @@ class AgentToolbox:
         return principal
 
 
-async def window(store: Any, room_id: str) -> list[Marker]:
-    """The room's markers (newest first), after flipping expired ones in a separate
-    best-effort transaction that only logs its errors."""
+async def window(store: Any, room_id: str, *, tenant: str) -> list[Marker]:
+    """The room's markers of ``tenant`` (newest first), after flipping expired ones in a
+    separate best-effort transaction that only logs its errors."""
     async with store.read() as conn:
-        rows = await executions.agent_window(conn, room_id, limit=WINDOW_ROWS)
+        rows = await executions.agent_window(conn, room_id, tenant=tenant, limit=WINDOW_ROWS)
     markers = [m for m in (marker_of(r) for r in rows) if m is not None]
     now = store.now_ms()
     expired = [m for m in markers if m.state == "pending" and m.expires_at <= now]
@@ -529,8 +618,8 @@ async def window(store: Any, room_id: str) -> list[Marker]:
 # -- operators (also used by `agent-txn ops deliveries`, which runs with database access) ------
 
 
-async def deliveries(store: Any, room_id: str) -> list[dict[str, Any]]:
-    """Markers of a room with their state, ``expires_at`` and ``in_window``."""
+async def deliveries(store: Any, room_id: str, *, tenant: str) -> list[dict[str, Any]]:
+    """Markers of ``tenant`` in a room with their state, ``expires_at`` and ``in_window``."""
     now = store.now_ms()
     return [
         {
@@ -541,7 +630,7 @@ async def deliveries(store: Any, room_id: str) -> list[dict[str, Any]]:
             "in_window": m.live(now),
             "created_at": audit.iso(m.execution.created_at),
         }
-        for m in await window(store, room_id)
+        for m in await window(store, room_id, tenant=tenant)
     ]
 
 
@@ -550,13 +639,15 @@ async def acknowledge(
     room_id: str,
     execution_ids: Sequence[str],
     *,
+    tenant: str,
     execute: bool = False,
     force: bool = False,
 ) -> list[dict[str, Any]]:
-    """Release selected markers. ``execute=False`` previews per marker and writes nothing;
-    in-window markers need ``force`` (it re-opens the window for duplicates). Never undoes
-    a committed write: only the marker and its key are released."""
-    by_id = {m.execution.execution_id: m for m in await window(store, room_id)}
+    """Release selected markers of ``tenant`` (another tenant's are ``not_found``).
+    ``execute=False`` previews per marker and writes nothing; in-window markers need ``force``
+    (it re-opens the window for duplicates). Never undoes a committed write: only the marker
+    and, once its execution has ended, its key are released (see :func:`_settle`)."""
+    by_id = {m.execution.execution_id: m for m in await window(store, room_id, tenant=tenant)}
     now = store.now_ms()
     out: list[dict[str, Any]] = []
     for execution_id in execution_ids:
@@ -584,8 +675,45 @@ async def acknowledge(
     return out
 
 
+async def _hand_over(
+    svc: CommandService,
+    work: Work,
+    action: staged.StagedActionRow,
+    row: Any,
+    caller: Caller,
+    key: str,
+    takeover: str | None,
+    record: ExecutionRow,
+) -> None:
+    """Use the token up and reserve the request's key for this execution, both by
+    compare-and-set; :class:`_HandOverLost` when a concurrent confirmation got there first."""
+    if not await staged.move_action(
+        work, action.token_sha256, from_state="pending", to_state="executed"
+    ):
+        raise _HandOverLost()
+    try:
+        await svc._reserve(work, row, caller, key, takeover, record.execution_id)
+    except IdempotencyInProgress as exc:
+        raise _HandOverLost() from exc
+
+
+def in_flight(record: ExecutionRow) -> bool:
+    """The execution has not ended: it may still write (``running``, or ``failed`` with no error
+    yet), waits for an operator (``manual_review``) or for an approver (``staged``)."""
+    if record.status == "failed":
+        return not record.error
+    return record.status != "succeeded"
+
+
 async def _settle(work: Work, record: ExecutionRow, to_state: str) -> bool:
-    """Move a pending marker to ``to_state`` and free its key; ``False`` if not pending."""
+    """Move a pending marker to ``to_state`` and, once the execution has ended, free its key;
+    ``False`` if not pending.
+
+    An execution still in flight keeps its key whatever happens to its marker: freeing it would
+    let the same request start a second run next to one that may still charge. The marker's
+    state is recorded all the same; when the execution ends, the next identical request finds a
+    held key whose marker is no longer live and takes it over, a new write as after any
+    delivery."""
     marker = marker_of(record)
     if marker is None or marker.state != "pending":
         return False
@@ -594,7 +722,7 @@ async def _settle(work: Work, record: ExecutionRow, to_state: str) -> bool:
     await executions.finish(
         work, record.execution_id, status=record.status, lifecycle_snapshot=snapshot
     )
-    if record.idempotency_key is not None:
+    if record.idempotency_key is not None and not in_flight(record):
         await reservations.release(
             work,
             command_id=record.command_id,

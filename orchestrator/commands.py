@@ -780,20 +780,40 @@ class CommandService:
             tx_id=tx_id,
             status="running",
         )
-        result = await self._with_lock_retries(
-            lambda: self.orch.execute(
-                saga,
-                prepared.inputs,
-                tx_id=tx_id,
-                budget_seconds=budget_seconds,
-                execution_id=execution_id,
-                context=_context(prepared),
-                prepare_hook=writer,
+        result = await self._past_expired_plans(
+            lambda: self._with_lock_retries(
+                lambda: self.orch.execute(
+                    saga,
+                    prepared.inputs,
+                    tx_id=tx_id,
+                    budget_seconds=budget_seconds,
+                    execution_id=execution_id,
+                    context=_context(prepared),
+                    prepare_hook=writer,
+                )
             )
         )
         if result.tx_id != tx_id:
             raise await self._business_key_held(result.tx_id)
         return await self._respond(execution_id, result)
+
+    async def _past_expired_plans(self, attempt_once: Callable[[], Awaitable[Any]]) -> Any:
+        """Run ``attempt_once``; when its business key is held by an agent plan whose
+        confirmation expired unconfirmed, retire that plan and try once more.
+
+        Released where the key is checked, whoever prepared the plan, and by compare-and-set
+        (the plan's token ``pending → released``): of racing writers only one retires it, and
+        a confirmation that won first keeps its plan (the retry then meets a live holder and
+        answers ``business_key_conflict`` as before). The failed attempt rolled back whole."""
+        try:
+            return await attempt_once()
+        except BusinessKeyConflict as exc:
+            holder = exc.details.get("tx_id")
+            if not isinstance(holder, str) or not await self.orch.agent.release_expired_holder(
+                holder
+            ):
+                raise
+        return await attempt_once()
 
     async def _business_key_held(self, holder_tx_id: str) -> AgentTxnError:
         """Why a plan answered with another transaction: that one holds the business key, and
@@ -884,14 +904,16 @@ class CommandService:
             staged_change_id=staged_change_id,
             extra=extras,
         )
-        landed = await self._with_lock_retries(
-            lambda: self.orch.stage(
-                saga,
-                prepared.inputs,
-                tx_id=tx_id,
-                execution_id=execution_id,
-                context=_context(prepared),
-                prepare_hook=writer,
+        landed = await self._past_expired_plans(
+            lambda: self._with_lock_retries(
+                lambda: self.orch.stage(
+                    saga,
+                    prepared.inputs,
+                    tx_id=tx_id,
+                    execution_id=execution_id,
+                    context=_context(prepared),
+                    prepare_hook=writer,
+                )
             )
         )
         if landed != tx_id:

@@ -5,7 +5,9 @@
 * ``ops requeue-callbacks`` recovers lost callback deliveries.
 
 Both act on every tenant sharing the database unless given ``--tenant`` (the HTTP routes always
-act on the server's own tenant).
+act on the server's own tenant). ``ops deliveries`` and ``ops acknowledge`` address a room, and
+a room is one tenant's: they take that tenant (``--tenant``, default ``default``, as
+``agent-txn serve --tenant``).
 
 Operator-triggered only: nothing here schedules itself. Whoever can open the database is trusted
 as an operator (the HTTP routes check :func:`orchestrator.ops.is_operator` instead). Every
@@ -57,6 +59,18 @@ TenantOption = Annotated[
 def _tenant(tenant: str | None) -> str | None:
     # Refused as ``principals list --tenant`` refuses it: '' would select nothing, silently.
     return None if tenant is None else checked_text(tenant, "--tenant", 100)
+
+
+#: Delivery markers are a tenant's: rooms of two tenants sharing a database may share an id.
+MarkerTenantOption = Annotated[
+    str,
+    typer.Option(
+        "--tenant",
+        envvar="AGENT_TXN_TENANT",
+        show_envvar=True,
+        help="Tenant whose markers (as `agent-txn serve --tenant`).",
+    ),
+]
 
 
 def _run(db: str, job: Callable[[Store], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
@@ -132,6 +146,7 @@ def requeue_callbacks(
 def deliveries(
     room: Annotated[str, typer.Argument(help="The room whose delivery markers to list.")],
     db: DbOption = DEFAULT_DB,
+    tenant: MarkerTenantOption = "default",
     as_json: JsonOption = False,
 ) -> None:
     """List a room's agent delivery markers: state, expires_at, in_window (expired ones are
@@ -139,7 +154,8 @@ def deliveries(
     from orchestrator import agent
 
     checked_text(room, "ROOM", 64)
-    rows = _run(db, lambda store: _wrap(agent.deliveries(store, room)))["markers"]
+    checked_text(tenant, "--tenant", 100)
+    rows = _run(db, lambda store: _wrap(agent.deliveries(store, room, tenant=tenant)))["markers"]
     text = "\n".join(
         f"{m['execution_id']}  {m['state']:<12} expires {m['expires_at']}  "
         f"{'in window' if m['in_window'] else 'outside window'}"
@@ -162,16 +178,18 @@ def acknowledge(
         typer.Option("--force", help="Also release in-window markers (re-opens duplicates)."),
     ] = False,
     db: DbOption = DEFAULT_DB,
+    tenant: MarkerTenantOption = "default",
     as_json: JsonOption = False,
 ) -> None:
     """Release selected delivery markers; never rolls back a committed write."""
     from orchestrator import agent
 
     checked_text(room, "ROOM", 64)
+    checked_text(tenant, "--tenant", 100)
     rows = _run(
         db,
         lambda store: _wrap(
-            agent.acknowledge(store, room, execution, execute=execute, force=force)
+            agent.acknowledge(store, room, execution, tenant=tenant, execute=execute, force=force)
         ),
     )["markers"]
     text = "\n".join(f"{m['execution_id']}  {m['result']}" for m in rows)

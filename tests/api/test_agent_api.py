@@ -155,6 +155,34 @@ async def test_an_edited_command_after_prepare_is_a_contract_mismatch(api: Api) 
     result = await _tool(api, "execute", token)
     assert (result["status"], result["error"]) == ("failed", "command_contract_mismatch")
     assert (await api.shop.counts())["inventory.reserve"] == 0
+    # Nothing ran, but the plan the person saw is retired (docs/agent.md), not left staged.
+    records = (
+        await api.client.get(f"/v1/commands/{command_id}/executions", headers=bearer("alice"))
+    ).json()
+    assert [(r["status"], r.get("error_code")) for r in records] == [
+        ("failed", "command_contract_mismatch")
+    ]
+
+
+async def test_delivering_an_in_flight_reply_does_not_let_the_request_charge_again(
+    api: Api,
+) -> None:
+    from providers.fake.faults import FaultKind, FaultRule
+
+    command_id = await _setup(api)
+    api.shop.faults.add(
+        FaultRule(FaultKind.LOSE_RESPONSE, provider="payments", action="charge", times=1)
+    )
+    api.shop.faults.add(FaultRule(FaultKind.LOOKUP_UNAVAILABLE, provider="payments", times=None))
+    token = (await _prepare(api, command_id))["confirmation_token"]
+    first = await _tool(api, "execute", token)
+    assert first["status"] == "running", first  # in doubt, or parked for an operator
+    # The "still in progress" reply reached the room.
+    assert (await _delivered(api, confirmation_token=token)).json() == {"released": True}
+    again = (await _prepare(api, command_id))["confirmation_token"]
+    assert (await _tool(api, "execute", again))["status"] == "running"
+    counts = await api.shop.counts()
+    assert (counts["payments.charge"], counts["inventory.reserve"]) == (1, 1)
 
 
 async def test_agent_routes_take_a_jwt_and_closed_bodies(api: Api) -> None:

@@ -318,6 +318,7 @@ async def test_ops_cli_lists_previews_and_acknowledges_markers(world: World) -> 
 
     listed = run("ops", "deliveries", "room-1")
     assert [(m["state"], m["in_window"]) for m in listed] == [("pending", True)]
+    assert run("ops", "deliveries", "room-1", "--tenant", "other") == []  # not its markers
     execution_id = listed[0]["execution_id"]
     assert run("ops", "acknowledge", "room-1", "-e", execution_id, "--force")[0]["result"] == (
         "would_acknowledge"
@@ -389,3 +390,217 @@ async def test_unconfirmed_plans_are_released_once_their_confirmation_expires(
     assert old["status"] == "failed" and old["error_code"] == "staged_released"
     assert (await agent.execute_staged_action(alice, token))["error"] == "confirmation_invalid"
     assert (await world.shop.counts())["inventory.reserve"] == 0
+
+
+# -- audit findings: in-flight keys, concurrent confirmations, expired holders, tenants ---------
+
+
+async def _in_doubt_confirm(
+    world: World, *, parked: bool = False
+) -> tuple[Any, Caller, dict[str, Any], str]:
+    """A confirmed order whose charge response is lost while lookups are down: in doubt
+    (``running``), or with ``parked`` out of lookups and waiting for an operator."""
+    from providers.fake.faults import FaultKind, FaultRule
+
+    world.shop.faults.add(
+        FaultRule(FaultKind.LOSE_RESPONSE, provider="payments", action="charge", times=1)
+    )
+    world.shop.faults.add(FaultRule(FaultKind.LOOKUP_UNAVAILABLE, provider="payments", times=None))
+    # Lookups that never run out within the call: it stays in doubt.
+    orch = world.orch if parked else await world.engine(reconcile_attempts=1000)
+    alice, info = await _setup(world)
+    token = (await orch.agent.prepare(alice, info["command_id"], ORDER))["confirmation_token"]
+    result = await orch.agent.execute_staged_action(alice, token, budget_seconds=0.2)
+    expected = "manual_review" if parked else "in_doubt"
+    assert (result["status"], result["error"]) == ("running", expected)
+    record = (await world.orch.commands.executions(alice, info["command_id"]))[0]
+    return orch.agent, alice, info, record["execution_id"]
+
+
+@pytest.mark.parametrize("parked", [False, True], ids=["running", "manual_review"])
+async def test_delivering_an_in_flight_reply_keeps_the_key_of_the_execution(
+    world: World, parked: bool
+) -> None:
+    agent, alice, info, execution_id = await _in_doubt_confirm(world, parked=parked)
+    # The "still in progress" reply reached the room: recorded, but the key stays held.
+    assert await agent.mark_delivered(alice, execution_id)
+    assert [m.state for m in await agent.window("room-1")] == ["delivered"]
+    token2 = (await agent.prepare(alice, info["command_id"], ORDER))["confirmation_token"]
+    again = await agent.execute_staged_action(alice, token2, budget_seconds=0.2)
+    assert again["status"] == "running"
+    counts = await world.shop.counts()
+    assert (counts["payments.charge"], counts["inventory.reserve"]) == (1, 1)
+
+
+async def test_acknowledging_an_in_doubt_marker_keeps_the_key_too(world: World) -> None:
+    agent, alice, info, execution_id = await _in_doubt_confirm(world)
+    ops = await add_user(
+        world.orch, "ops", actions=(tuple(OPS_RESOURCE.split(".")),), permissions=("manage",)
+    )
+    done = await agent.acknowledge(ops, "room-1", [execution_id], execute=True, force=True)
+    assert done[0]["result"] == "acknowledged"
+    token2 = (await agent.prepare(alice, info["command_id"], ORDER))["confirmation_token"]
+    again = await agent.execute_staged_action(alice, token2, budget_seconds=0.2)
+    assert again["status"] == "running"
+    assert (await world.shop.counts())["payments.charge"] == 1
+
+
+async def test_once_a_delivered_in_doubt_execution_settles_the_request_is_a_new_write(
+    world: World,
+) -> None:
+    agent, alice, info, execution_id = await _in_doubt_confirm(world)
+    assert await agent.mark_delivered(alice, execution_id)
+    world.shop.faults.clear()
+    async with world.orch.store.transaction() as work:  # as recovery finishes it
+        fresh = await executions.get_for_update(work, execution_id)
+        assert fresh is not None
+        await executions.finish(work, execution_id, status="succeeded")
+    token2 = (await agent.prepare(alice, info["command_id"], ORDER))["confirmation_token"]
+    assert (await agent.execute_staged_action(alice, token2))["status"] == "succeeded"
+    assert (await world.shop.counts())["payments.charge"] == 2
+
+
+async def test_one_token_confirmed_three_times_at_once_answers_the_winners_status(
+    world: World,
+) -> None:
+    import asyncio
+
+    alice, info = await _setup(world)
+    agent = world.orch.agent
+    token = (await agent.prepare(alice, info["command_id"], ORDER))["confirmation_token"]
+    results = await asyncio.gather(*(agent.execute_staged_action(alice, token) for _ in range(3)))
+    for result in results:
+        assert result["status"] in ("succeeded", "running"), result
+        assert result["error"] in (None, "in_doubt"), result
+    assert [r["status"] for r in results].count("succeeded") >= 1
+    assert await _charges(world) == 1
+
+
+async def test_two_tokens_for_one_request_confirmed_at_once_answer_the_winners_status(
+    world: World,
+) -> None:
+    import asyncio
+
+    alice, info = await _setup(world)
+    agent = world.orch.agent
+    tokens = [
+        (await agent.prepare(alice, info["command_id"], ORDER))["confirmation_token"]
+        for _ in range(2)
+    ]
+    results = await asyncio.gather(*(agent.execute_staged_action(alice, t) for t in tokens))
+    for result in results:
+        assert result["status"] in ("succeeded", "running"), result
+        assert result["error"] in (None, "in_doubt"), result
+    assert await _charges(world) == 1
+    statuses = sorted(
+        e["status"] for e in await world.orch.commands.executions(alice, info["command_id"])
+    )
+    assert statuses == ["failed", "succeeded"]  # the loser's plan was retired, not left staged
+
+
+BUSINESS_KEY = {"$concat": ["order:", {"$ref": "inputs.order_id"}]}
+
+
+async def _bob_in_room(world: World) -> Caller:
+    await add_user(world.orch, "bob")
+    async with world.orch.store.transaction() as work:
+        await principals.join_room(work, "room-1", "bob")
+    return Caller(principal_id="bob", kind="user", auth="jwt", room_id="room-1", ai=True)
+
+
+async def test_an_expired_unconfirmed_plan_of_another_person_does_not_hold_the_business_key(
+    world: World,
+) -> None:
+    alice, info = await _setup(world, business_key=BUSINESS_KEY)
+    bob = await _bob_in_room(world)
+    agent = world.orch.agent
+    bobs = (await agent.prepare(bob, info["command_id"], ORDER))["confirmation_token"]
+    # While bob's confirmation is open, the order is his to confirm.
+    with pytest.raises(errors.BusinessKeyConflict):
+        await world.orch.commands.execute(alice, info["command_id"], ORDER)
+    world.orch.store.advance_clock(3601)  # bob never confirms
+    outcome = await world.orch.commands.execute(alice, info["command_id"], ORDER)
+    assert outcome.status_code == 200
+    assert (await agent.execute_staged_action(bob, bobs))["error"] == "confirmation_invalid"
+    assert await _charges(world) == 1
+
+
+async def test_racing_writers_past_an_expired_plan_write_once(world: World) -> None:
+    import asyncio
+
+    alice, info = await _setup(world, business_key=BUSINESS_KEY)
+    bob = await _bob_in_room(world)
+    await add_user(world.orch, "carol")
+    carol = Caller(principal_id="carol", kind="user", auth="jwt")
+    await world.orch.agent.prepare(bob, info["command_id"], ORDER)
+    world.orch.store.advance_clock(3601)
+    outcomes = await asyncio.gather(
+        *(world.orch.commands.execute(c, info["command_id"], ORDER) for c in (alice, carol)),
+        return_exceptions=True,
+    )
+    done = [o for o in outcomes if not isinstance(o, BaseException)]
+    refused = [o for o in outcomes if isinstance(o, BaseException)]
+    assert [o.status_code for o in done] == [200], outcomes
+    assert all(isinstance(o, errors.BusinessKeyConflict) for o in refused), outcomes
+    assert await _charges(world) == 1
+
+
+async def test_an_expired_unconfirmed_plan_does_not_block_another_persons_prepare(
+    world: World,
+) -> None:
+    alice, info = await _setup(world, business_key=BUSINESS_KEY)
+    bob = await _bob_in_room(world)
+    agent = world.orch.agent
+    await agent.prepare(bob, info["command_id"], ORDER)
+    world.orch.store.advance_clock(3601)
+    token = (await agent.prepare(alice, info["command_id"], ORDER))["confirmation_token"]
+    assert (await agent.execute_staged_action(alice, token))["status"] == "succeeded"
+    assert await _charges(world) == 1
+
+
+async def test_status_of_an_expired_unconfirmed_token_says_it_is_no_longer_valid(
+    world: World,
+) -> None:
+    alice, info = await _setup(world)
+    agent = world.orch.agent
+    token = (await agent.prepare(alice, info["command_id"], ORDER))["confirmation_token"]
+    assert (await agent.execution_status(alice, token))["status"] == "staged"
+    world.orch.store.advance_clock(3601)
+    status = await agent.execution_status(alice, token)
+    assert (status["status"], status["error"]) == ("failed", "confirmation_invalid")
+    assert status == await agent.execute_staged_action(alice, token)
+
+
+async def test_delivery_markers_are_per_tenant(world: World) -> None:
+    alice, info = await _setup(world)
+    agent = world.orch.agent
+    token = (await agent.prepare(alice, info["command_id"], ORDER))["confirmation_token"]
+    await agent.execute_staged_action(alice, token)
+    mine = (await world.orch.commands.executions(alice, info["command_id"]))[0]["execution_id"]
+    other = await world.engine(tenant="other")
+    ops = await add_user(
+        other,
+        "ops-other",
+        actions=(tuple(OPS_RESOURCE.split(".")),),
+        permissions=("manage",),
+        tenant="other",
+    )
+    # Another tenant's operator sees nothing of this room and cannot release its marker.
+    assert await other.agent.deliveries(ops, "room-1") == []
+    done = await other.agent.acknowledge(ops, "room-1", [mine], execute=True, force=True)
+    assert done[0]["result"] == "not_found"
+    assert [m.state for m in await agent.window("room-1")] == ["pending"]
+    # Nor do this tenant's pending markers fill the other tenant's room of the same id.
+    for n in range(MAX_LIVE_MARKERS):  # with the first one: one over the limit
+        t = (await agent.prepare(alice, info["command_id"], {**ORDER, "amount": 100 + n}))[
+            "confirmation_token"
+        ]
+        await agent.execute_staged_action(alice, t)
+    with pytest.raises(errors.RoomWriteProtected):
+        await agent.prepare(alice, info["command_id"], {**ORDER, "amount": 99})
+    carol = await add_user(other, "carol", tenant="other")
+    async with other.store.transaction() as work:
+        await principals.join_room(work, "room-1", "carol")
+    theirs = await other.commands.create(carol, order_command())
+    carol = Caller(principal_id="carol", kind="user", auth="jwt", room_id="room-1", ai=True)
+    assert (await other.agent.prepare(carol, theirs["command_id"], ORDER))["proposal"]
