@@ -114,12 +114,13 @@ def probe_url(db: str) -> str:
 _PG_INSUFFICIENT_PRIVILEGE = "42501"
 
 
-def _admin_engine(server: str) -> AsyncEngine:
-    """An engine for the CREATE and DROP of a run's databases: autocommit (neither runs in a
-    transaction), the URL's numeric options as numbers (:func:`ledger.dialects.pg_numbers`),
-    and the short connect timeout of :func:`probe_url`. NullPool: a fresh connection for the
-    DROP, so a server restart during the run (the opt-in concurrency scenario) cannot leave a
-    dead pooled connection behind."""
+def admin_engine(server: str) -> AsyncEngine:
+    """An engine for the CREATE and DROP of a run's databases, and for a command's own
+    statements on a ``--db`` server: autocommit (neither runs in a transaction), the URL's
+    numeric options as numbers (:func:`ledger.dialects.pg_numbers`), and the short connect
+    timeout of :func:`probe_url`. NullPool: a fresh connection each time, so a server restart
+    during the run (the opt-in concurrency scenario) cannot leave a dead pooled connection
+    behind."""
     url = probe_url(server)
     return create_async_engine(
         url,
@@ -164,7 +165,7 @@ async def fresh_databases(db: str | None, workdir: Path) -> AsyncIterator[Databa
     names = [f"agt_fi_{uuid.uuid4().hex[:10]}", ""]
     names[1] = names[0] + "_provider"
     created: list[str] = []
-    admin = _admin_engine(server.render_as_string(hide_password=False))
+    admin = admin_engine(server.render_as_string(hide_password=False))
     try:
         async with admin.connect() as conn:
             for name in names:

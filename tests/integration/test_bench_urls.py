@@ -25,7 +25,14 @@ from fault_injection import bench_driver, harness
 from fault_injection._evidence import table_names
 from fault_injection.bench_dbos import _psycopg_url, dbos_available
 from fault_injection.bench_driver import asyncpg_arguments, measure_driver
-from fault_injection.harness import PROBE_CONNECT_SECONDS, fresh_databases, probe_url
+from fault_injection.harness import (
+    PROBE_CONNECT_SECONDS,
+    DatabasePair,
+    Harness,
+    fresh_databases,
+    probe_url,
+)
+from fault_injection.scenarios import run_scenarios
 from ledger import dialects
 from providers.fake import store as shop_store
 from providers.fake.shop import FakeShop
@@ -126,6 +133,28 @@ def test_fault_inject_check_on_urls_with_options(db_urls: DbUrls) -> None:
     )  # fmt: skip
     assert got.returncode == 0, got.stderr
     assert json.loads(got.stdout)["ok"] is True
+
+
+async def test_the_concurrency_suites_admin_takes_the_urls_options(db_urls: DbUrls) -> None:
+    if db_urls.backend != "postgres":
+        pytest.skip("the scenario terminates PostgreSQL backends")
+    from fault_injection.scenarios_concurrency import connection_loss_during_recovery
+
+    pair = DatabasePair(
+        *(dialects.normalize_url(_with_options(u)) for u in (db_urls.store, db_urls.provider)),
+        db_urls.backend,
+    )
+    world = await Harness.open(pair)
+    try:
+        (result,) = await run_scenarios(
+            world,
+            [("connection_loss_during_recovery", connection_loss_during_recovery)],
+            suite="concurrency",
+        )
+    finally:
+        await world.close()
+    assert result.passed, result.line
+    assert result.detail["backends_terminated"] >= 1
 
 
 # -- finding 2: the raw driver takes the options as keywords ----------------------------------
@@ -330,7 +359,7 @@ def test_fresh_databases_drop_nothing_when_nothing_was_made(
         async def dispose(self) -> None:
             return None
 
-    monkeypatch.setattr(harness, "_admin_engine", lambda _url: Refusing())
+    monkeypatch.setattr(harness, "admin_engine", lambda _url: Refusing())
 
     async def enter() -> None:
         async with fresh_databases("postgresql://u@127.0.0.1:1/x", tmp_path):
