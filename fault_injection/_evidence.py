@@ -288,9 +288,15 @@ def _provider_engine(url: str) -> AsyncEngine:
         event.listen(engine.sync_engine, "connect", _query_only)
         return engine
     if backend == "postgresql":
+        # Normalised as every engine on a user's URL is (libpq's sslmode becomes asyncpg's
+        # ssl), and its numeric options given as numbers (``dialects.pg_numbers``).
+        normalized = dialects.normalize_url(url)
         return create_async_engine(
-            parsed.set(drivername="postgresql+asyncpg"),
-            connect_args={"server_settings": {"default_transaction_read_only": "on"}},
+            normalized,
+            connect_args={
+                **dialects.pg_numbers(normalized),
+                "server_settings": {"default_transaction_read_only": "on"},
+            },
             pool_pre_ping=True,
         )
     raise ValueError(f"unsupported provider database {backend!r}")

@@ -452,15 +452,14 @@ def sweep_settings_that_fit(room: ConnectionRoom | None, provider: str) -> tuple
 
 
 def _room(db: str | None) -> ConnectionRoom | None:
-    """The PostgreSQL server's room for connections now (``None``: it could not be asked,
-    which the run itself then reports)."""
-    from ledger.pg_room import connection_room
+    """The PostgreSQL server's room for connections now (``None``: it could not be read). The
+    bench's first connection: a server it cannot reach ends the command here, in one line
+    (:func:`fault_injection.bench_environment.connection_room`)."""
+    from fault_injection.bench_environment import connection_room
+    from fault_injection.cli import run_job
 
     assert db is not None
-    try:
-        return asyncio.run(connection_room(db))
-    except Exception:
-        return None
+    return run_job(connection_room(db))
 
 
 def _connections_refusal(

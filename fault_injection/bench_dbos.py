@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import math
 import statistics
 import threading
 import time
@@ -47,7 +48,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import sqlalchemy as sa
-from sqlalchemy.engine import make_url
+from sqlalchemy.engine import URL, make_url
 
 from fault_injection.median_interval import median_interval
 from fault_injection.server_cpu import per_saga_ms, read_server, server_cpu_seconds
@@ -170,6 +171,30 @@ def _fast_sqlite_engine(url: str) -> sa.Engine:
     return engine
 
 
+#: asyncpg's client-side options, which libpq (psycopg) has no key for: DBOS's half runs
+#: without them (it has its own pool and timeouts).
+_ASYNCPG_ONLY_OPTIONS = frozenset(
+    {
+        "command_timeout", "prepared_statement_cache_size", "statement_cache_size",
+        "max_cached_statement_lifetime", "max_cacheable_statement_size",
+    }
+)  # fmt: skip
+
+
+def _psycopg_url(db: str) -> URL:
+    """The ``--db`` server as psycopg (libpq) takes it. ``normalize_url`` writes the query for
+    asyncpg, and libpq refuses a key it does not know (``invalid connection option "ssl"``):
+    asyncpg's ``ssl`` goes back to libpq's ``sslmode`` (they take the same modes), ``timeout``
+    becomes ``connect_timeout`` (whole seconds), and asyncpg's own options are left out."""
+    url = make_url(normalize_url(db))
+    query = {k: v for k, v in url.query.items() if k not in _ASYNCPG_ONLY_OPTIONS}
+    if "ssl" in query:
+        query["sslmode"] = query.pop("ssl")
+    if "timeout" in query:
+        query["connect_timeout"] = str(math.ceil(float(str(query.pop("timeout")))))
+    return url.set(drivername="postgresql+psycopg", query=query)
+
+
 @contextlib.contextmanager
 def _database(db: str | None, workdir: Path) -> Iterator[tuple[str, str]]:
     """A fresh system database for DBOS: (URL, backend); dropped after (PostgreSQL)."""
@@ -177,7 +202,7 @@ def _database(db: str | None, workdir: Path) -> Iterator[tuple[str, str]]:
         path = workdir / f"dbos-{uuid.uuid4().hex[:8]}.sqlite"
         yield f"sqlite:///{path}", "sqlite"
         return
-    server = make_url(normalize_url(db)).set(drivername="postgresql+psycopg")
+    server = _psycopg_url(db)
     name = f"agt_dbos_{uuid.uuid4().hex[:10]}"
     admin = sa.create_engine(server, isolation_level="AUTOCOMMIT", poolclass=sa.NullPool)
     try:

@@ -28,9 +28,11 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import text
+from sqlalchemy.exc import DBAPIError
 
-from fault_injection.harness import sqlite_folder
+from fault_injection.harness import probe_url, sqlite_folder
 from ledger import dialects
+from ledger.pg_room import ConnectionRoom, read_room
 
 CPUINFO = Path("/proc/cpuinfo")
 MOUNTS = Path("/proc/mounts")
@@ -100,11 +102,30 @@ def sqlite_files(db: str | None) -> dict[str, str | None] | None:
 
 
 async def postgres_server_version(url: str) -> str:
-    """``server_version`` of the PostgreSQL server ``url`` names (one short connection)."""
-    engine = dialects.create_engine(dialects.normalize_url(url))
+    """``server_version`` of the PostgreSQL server ``url`` names (one short connection, with
+    :func:`fault_injection.harness.probe_url`'s connect timeout)."""
+    engine = dialects.create_engine(probe_url(url))
     try:
         async with engine.connect() as conn:
             return str((await conn.execute(text("SHOW server_version"))).scalar_one())
+    finally:
+        await engine.dispose()
+
+
+async def connection_room(url: str) -> ConnectionRoom | None:
+    """The PostgreSQL server's room for connections now (:mod:`ledger.pg_room`), read on one
+    short connection with :func:`fault_injection.harness.probe_url`'s connect timeout.
+
+    A failure to connect is raised: it is the bench's first connection, and a server it cannot
+    reach ends the command there, at once, rather than after every later connection has
+    waited for it too. ``None`` when the server answered but the room could not be read."""
+    engine = dialects.create_engine(probe_url(url))
+    try:
+        async with engine.connect() as conn:
+            try:
+                return await read_room(conn)
+            except DBAPIError:
+                return None
     finally:
         await engine.dispose()
 
@@ -176,6 +197,7 @@ def one_line(environment: dict[str, Any]) -> str:
 
 
 __all__ = [
+    "connection_room",
     "describe",
     "filesystem_of",
     "memory_files_note",

@@ -25,13 +25,14 @@ from typing import Any
 
 from sqlalchemy import text
 from sqlalchemy.engine import make_url
-from sqlalchemy.ext.asyncio import create_async_engine
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.pool import NullPool
 
 from fault_injection._evidence import EvidenceReader
 from fault_injection.invariants import CheckReport, check_snapshot
 from fault_injection.sagas import STOCK
-from ledger.dialects import dialect_of, in_memory, normalize_url
+from ledger.dialects import dialect_of, in_memory, normalize_url, pg_numbers
 from orchestrator.config import EngineSettings
 from orchestrator.engine import Orchestrator
 from providers.fake.faults import FaultPlan
@@ -88,9 +89,69 @@ class DatabasePair:
     backend: str
 
 
+#: How long a first connection to a ``--db`` server may take before the command gives up on
+#: it, when the URL gives no ``timeout`` of its own. asyncpg waits 60 s by default, and a
+#: server that accepts the connection but never answers (a wrong port behind a proxy, a hung
+#: server) kept the bench waiting that long at each of its connections; docs/fault-injection.md
+#: promises that an unreachable database ends the run at once.
+PROBE_CONNECT_SECONDS = 10.0
+
+
+def probe_url(db: str) -> str:
+    """``db`` normalised, with :data:`PROBE_CONNECT_SECONDS` as its connect ``timeout`` when it
+    gives none (PostgreSQL; a SQLite URL is returned normalised). For the short connections a
+    command opens before its run (the server's room, its version, the fresh databases), never
+    for the run's own URLs: the URL's options are the user's."""
+    url = make_url(normalize_url(db))
+    if url.get_backend_name() != "postgresql" or "timeout" in url.query:
+        return url.render_as_string(hide_password=False)
+    return url.update_query_dict({"timeout": str(PROBE_CONNECT_SECONDS)}).render_as_string(
+        hide_password=False
+    )
+
+
+#: PostgreSQL's ``insufficient_privilege``: here, a role without ``CREATEDB``.
+_PG_INSUFFICIENT_PRIVILEGE = "42501"
+
+
+def admin_engine(server: str) -> AsyncEngine:
+    """An engine for the CREATE and DROP of a run's databases, and for a command's own
+    statements on a ``--db`` server: autocommit (neither runs in a transaction), the URL's
+    numeric options as numbers (:func:`ledger.dialects.pg_numbers`), and the short connect
+    timeout of :func:`probe_url`. NullPool: a fresh connection each time, so a server restart
+    during the run (the opt-in concurrency scenario) cannot leave a dead pooled connection
+    behind."""
+    url = probe_url(server)
+    return create_async_engine(
+        url,
+        isolation_level="AUTOCOMMIT",
+        poolclass=NullPool,
+        connect_args=pg_numbers(url),
+    )
+
+
+async def _create_database(conn: AsyncConnection, name: str) -> None:
+    try:
+        await conn.execute(text(f'CREATE DATABASE "{name}"'))
+    except DBAPIError as exc:
+        if getattr(exc.orig, "sqlstate", None) != _PG_INSUFFICIENT_PRIVILEGE:
+            raise
+        from orchestrator.cli import CliFailure  # the command's own one-line failure
+
+        raise CliFailure(
+            "--db: this role cannot create databases (the run makes fresh ones on the "
+            "server, dropped after)"
+        ) from None
+
+
 @asynccontextmanager
 async def fresh_databases(db: str | None, workdir: Path) -> AsyncIterator[DatabasePair]:
-    """A new, empty pair of databases for one run (SQLite files, or PostgreSQL databases)."""
+    """A new, empty pair of databases for one run (SQLite files, or PostgreSQL databases).
+
+    On PostgreSQL, a server that cannot be reached fails at the first connection, within
+    :data:`PROBE_CONNECT_SECONDS`; only the databases that were made are dropped after (a
+    DROP after a failed CREATE waited for the unreachable server once more, and its error
+    replaced the first)."""
     if db is None or dialect_of(normalize_url(db)) == "sqlite":
         base = workdir / uuid.uuid4().hex[:8]
         base.mkdir(parents=True, exist_ok=True)
@@ -103,23 +164,26 @@ async def fresh_databases(db: str | None, workdir: Path) -> AsyncIterator[Databa
     server = make_url(normalize_url(db))
     names = [f"agt_fi_{uuid.uuid4().hex[:10]}", ""]
     names[1] = names[0] + "_provider"
-    # NullPool: a fresh connection for the DROP, so a server restart during the run (the
-    # opt-in concurrency scenario) cannot leave a dead pooled connection behind.
-    admin = create_async_engine(server, isolation_level="AUTOCOMMIT", poolclass=NullPool)
+    created: list[str] = []
+    admin = admin_engine(server.render_as_string(hide_password=False))
     try:
         async with admin.connect() as conn:
             for name in names:
-                await conn.execute(text(f'CREATE DATABASE "{name}"'))
+                await _create_database(conn, name)
+                created.append(name)
         yield DatabasePair(
             server.set(database=names[0]).render_as_string(hide_password=False),
             server.set(database=names[1]).render_as_string(hide_password=False),
             "postgres",
         )
     finally:
-        async with admin.connect() as conn:
-            for name in names:
-                await conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        await admin.dispose()
+        try:
+            if created:
+                async with admin.connect() as conn:
+                    for name in created:
+                        await conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        finally:
+            await admin.dispose()
 
 
 @dataclass

@@ -23,10 +23,9 @@ from typing import Any
 
 from sqlalchemy import text
 from sqlalchemy.engine import make_url
-from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
-from sqlalchemy.pool import NullPool
+from sqlalchemy.ext.asyncio import AsyncEngine
 
-from fault_injection.harness import SUITE_SETTINGS, Harness
+from fault_injection.harness import SUITE_SETTINGS, Harness, admin_engine
 from fault_injection.results import ScenarioResult
 from fault_injection.sagas import order_saga
 from fault_injection.scenarios_seed import (
@@ -290,10 +289,9 @@ async def connection_loss_during_recovery(
     label = "connection loss during recovery"
     if harness.dbs.backend != "postgres":
         return _skipped(run, label, "needs PostgreSQL (backends are terminated by pid)")
-    # NullPool: the admin's own connection must not be a pooled one the kill could reach.
-    admin: AsyncEngine = create_async_engine(
-        harness.dbs.store, isolation_level="AUTOCOMMIT", poolclass=NullPool
-    )
+    # NullPool (admin_engine's): the admin's own connection must not be a pooled one the kill
+    # could reach.
+    admin: AsyncEngine = admin_engine(harness.dbs.store)
 
     async def terminate() -> int:
         async with admin.connect() as conn:

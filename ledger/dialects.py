@@ -93,7 +93,7 @@ def normalize_url(url: str) -> str:
 #: The PostgreSQL options a URL's query may give. asyncpg takes them as keywords, and a URL
 #: gives strings: these take strings (or are converted by asyncpg, or by SQLAlchemy's adapter:
 #: ``command_timeout``, ``prepared_statement_cache_size``); those in :data:`_PG_NUMBERS` are
-#: converted by :func:`create_engine`. asyncpg's other keywords take objects a URL cannot give
+#: converted by :func:`pg_numbers`. asyncpg's other keywords take objects a URL cannot give
 #: (``server_settings``, a boolean ``direct_tls``), and any other key failed at the first
 #: connection with a ``TypeError``.
 _PG_OPTIONS = frozenset(
@@ -137,9 +137,11 @@ def _pg_number(key: str, value: object) -> int | float | None:
     return number if 0 <= number < math.inf else None
 
 
-def _pg_numbers(url: str) -> dict[str, Any]:
+def pg_numbers(url: str) -> dict[str, Any]:
     """The numeric options of a normalised PostgreSQL URL, as numbers (connect arguments win
-    over the URL's strings in SQLAlchemy)."""
+    over the URL's strings in SQLAlchemy). Every engine or bare asyncpg connection on a
+    user's URL takes them so: asyncpg compares them as numbers, and a string failed the first
+    connection with a ``TypeError``."""
     query = make_url(url).query
     return {key: _pg_number(key, query[key]) for key in _PG_NUMBERS if key in query}
 
@@ -198,7 +200,7 @@ def create_engine(
         max_overflow=pg_pool_size,
         pool_pre_ping=True,
         connect_args={
-            **_pg_numbers(url),
+            **pg_numbers(url),
             "server_settings": {
                 "application_name": "agent-txn",
                 "lock_timeout": str(pg_lock_timeout_ms),

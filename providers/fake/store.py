@@ -74,6 +74,34 @@ def shop_url(url: str | URL) -> URL:
     raise ShopDatabaseError(f"unsupported database for the fake shop: {backend!r}")
 
 
+#: asyncpg's numeric options a URL may give, with their type: asyncpg compares them as
+#: numbers, and SQLAlchemy hands a URL's query to it as strings (``timeout=5`` failed the first
+#: connection with a ``TypeError``). The same table as ``ledger.dialects._PG_NUMBERS``, which
+#: this layer may not import (pyproject's import contract); a test keeps the two equal.
+_PG_NUMBERS: dict[str, type[int] | type[float]] = {
+    "timeout": float,
+    "statement_cache_size": int,
+    "max_cached_statement_lifetime": float,
+    "max_cacheable_statement_size": int,
+}
+
+
+def _pg_numbers(url: URL) -> dict[str, int | float]:
+    """The numeric options of a PostgreSQL URL as numbers, for ``connect_args`` (which win
+    over the URL's strings); raises :class:`ShopDatabaseError` for one that is not a number."""
+    numbers: dict[str, int | float] = {}
+    for key, kind in _PG_NUMBERS.items():
+        if key in url.query:
+            value = url.query[key]
+            try:
+                numbers[key] = kind(str(value))
+            except ValueError:
+                raise ShopDatabaseError(
+                    f"the URL's {key} must be a number >= 0, not {value!r}"
+                ) from None
+    return numbers
+
+
 def _sqlite_on_connect(dbapi_connection: Any, _record: Any) -> None:
     # Take transaction control away from the driver so "begin" below decides how BEGIN looks.
     dbapi_connection.isolation_level = None
@@ -189,7 +217,10 @@ class Store:
     async def open(cls, url: str | URL) -> Store:
         """Connect, configure the dialect and create the tables if missing."""
         parsed = shop_url(url)
-        engine = create_async_engine(parsed)
+        if parsed.get_backend_name() == "postgresql":
+            engine = create_async_engine(parsed, connect_args=_pg_numbers(parsed))
+        else:
+            engine = create_async_engine(parsed)
         if parsed.get_backend_name() == "sqlite":
             event.listen(engine.sync_engine, "connect", _sqlite_on_connect)
             event.listen(engine.sync_engine, "begin", _sqlite_on_begin)
