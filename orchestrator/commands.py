@@ -95,6 +95,12 @@ if TYPE_CHECKING:
 
 DIGEST_PATTERN: Final = re.compile(r"^[0-9a-f]{64}$")
 IDEMPOTENCY_TTL_MS: Final = 24 * 3600 * 1000
+#: Largest page offset (``skip``) a listing takes: more records than a tenant keeps, and far
+#: inside the 64-bit integer both databases bind an OFFSET as (a larger one was a 500: SQLite's
+#: driver raised OverflowError, PostgreSQL "value out of int64 range").
+MAX_SKIP: Final = 1_000_000_000
+#: Most records one page returns.
+MAX_LIMIT: Final = 200
 
 
 class Unchanged(enum.Enum):
@@ -1154,10 +1160,10 @@ def _replay(previous: ExecutionRow) -> Outcome:
 
 def _check_page(skip: int, limit: int) -> None:
     problems = []
-    if not isinstance(skip, int) or skip < 0:
-        problems.append({"field": "skip", "problem": "must be >= 0"})
-    if not isinstance(limit, int) or not 1 <= limit <= 200:
-        problems.append({"field": "limit", "problem": "must be 1..200"})
+    if not isinstance(skip, int) or not 0 <= skip <= MAX_SKIP:
+        problems.append({"field": "skip", "problem": f"must be 0..{MAX_SKIP}"})
+    if not isinstance(limit, int) or not 1 <= limit <= MAX_LIMIT:
+        problems.append({"field": "limit", "problem": f"must be 1..{MAX_LIMIT}"})
     if problems:
         raise RequestInvalid(details={"errors": problems})
 

@@ -71,7 +71,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from ledger.errors import StoreBusy, StoreUnavailable
 from orchestrator import authz, ops
 from orchestrator.authz import AuthSettings, Caller
-from orchestrator.commands import UNCHANGED, Outcome
+from orchestrator.commands import MAX_LIMIT, MAX_SKIP, UNCHANGED, Outcome
 from orchestrator.engine import Orchestrator
 from orchestrator.errors import (
     AgentTxnError,
@@ -508,8 +508,12 @@ RoomId = Annotated[
     str,
     Query(min_length=1, max_length=MAX_ID_LENGTH, pattern=ID_PATTERN, description="Room id."),
 ]
-Skip = Annotated[int, Query(ge=0, description="Records to skip (newest first).")]
-Limit = Annotated[int, Query(ge=1, le=200, description="Records to return (1-200).")]
+Skip = Annotated[
+    int, Query(ge=0, le=MAX_SKIP, description=f"Records to skip, newest first (0-{MAX_SKIP}).")
+]
+Limit = Annotated[
+    int, Query(ge=1, le=MAX_LIMIT, description=f"Records to return (1-{MAX_LIMIT}).")
+]
 
 
 # -- errors -------------------------------------------------------------------------------------

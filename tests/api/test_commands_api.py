@@ -17,6 +17,7 @@ import jwt
 import pytest
 
 from ledger.errors import StoreUnavailable
+from orchestrator.commands import MAX_SKIP
 from orchestrator.errors import REGISTRY, envelope
 from providers.fake.faults import FaultKind, FaultRule
 from tests.api.conftest import SECRET, Api, bearer, order_inputs, token
@@ -355,10 +356,14 @@ async def test_executions_are_listed_newest_first_and_paged(api: Api) -> None:
     assert [e["execution_id"] for e in page.json()] == [ids[1]]
     edge = await api.client.get(url, params={"skip": 0, "limit": 200}, headers=bearer("alice"))
     assert edge.status_code == 200 and len(edge.json()) == 3
+    last = await api.client.get(url, params={"skip": MAX_SKIP}, headers=bearer("alice"))
+    assert last.status_code == 200 and last.json() == []
     for params, field in (
         ({"limit": 0}, "query.limit"),
         ({"limit": 201}, "query.limit"),
         ({"skip": -1}, "query.skip"),
+        ({"skip": MAX_SKIP + 1}, "query.skip"),
+        ({"skip": 2**63}, "query.skip"),  # past int64: was a 500 from the database driver
         ({"limit": "ten"}, "query.limit"),
     ):
         refused = await api.client.get(url, params=params, headers=bearer("alice"))
@@ -382,7 +387,11 @@ async def test_commands_are_listed_newest_first_and_paged(api: Api) -> None:
         )
         assert page.status_code == 200
         assert page.json() == everything.json()[skip : skip + limit], (skip, limit)
-    for params in ({"limit": 0}, {"limit": 201}, {"skip": -1}):
+    last = await api.client.get(
+        "/v1/commands", params={"skip": MAX_SKIP}, headers=bearer("alice")
+    )
+    assert last.status_code == 200 and last.json() == []
+    for params in ({"limit": 0}, {"limit": 201}, {"skip": -1}, {"skip": 2**63}):
         refused = await api.client.get("/v1/commands", params=params, headers=bearer("alice"))
         assert refused.status_code == 422, params
         assert _error(refused.json())["error"] == "request_invalid"
