@@ -50,9 +50,10 @@ from ledger import action_settings, commands, executions, principals, reservatio
 from ledger import callbacks as callback_runs
 from ledger.canonical import NotCanonicalizable, canonical_json, fingerprint
 from ledger.commands import CommandRow
-from ledger.errors import StorageError, StoreBusy
+from ledger.errors import StorageError, StoreBusy, ValueNotStorable
 from ledger.executions import ExecutionRow
 from ledger.ids import time_ordered_id
+from ledger.schema import IDEMPOTENCY_KEY_LENGTH
 from ledger.store import Work
 from orchestrator import audit, authz, budgets, definitions, expressions
 from orchestrator.authz import Caller, Principal
@@ -85,6 +86,7 @@ from orchestrator.errors import (
     StagedChangeDecided,
     StagedChangeNotFound,
     StoreUnavailableError,
+    ValueNotStorableError,
 )
 from orchestrator.saga import SagaDefinition
 from orchestrator.views import SagaResult
@@ -197,6 +199,8 @@ class CommandService:
                 yield conn
         except StoreBusy as exc:
             raise LockConflict() from exc
+        except ValueNotStorable as exc:
+            raise ValueNotStorableError() from exc
         except StorageError as exc:
             raise StoreUnavailableError() from exc
 
@@ -405,7 +409,8 @@ class CommandService:
         ):
             raise ContractDigestInvalid(details={"field": "expected_contract_digest"})
         if idempotency_key is not None and (
-            not isinstance(idempotency_key, str) or not 1 <= len(idempotency_key) <= 128
+            not isinstance(idempotency_key, str)
+            or not 1 <= len(idempotency_key) <= IDEMPOTENCY_KEY_LENGTH
         ):
             raise IdempotencyKeyInvalid(details={"field": "idempotency_key"})
         async with self._read() as conn:

@@ -68,7 +68,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ledger.errors import StoreBusy, StoreUnavailable
+from ledger.errors import StoreBusy, StoreUnavailable, ValueNotStorable
 from orchestrator import authz, ops
 from orchestrator.authz import AuthSettings, Caller
 from orchestrator.commands import MAX_LIMIT, MAX_SKIP, UNCHANGED, Outcome
@@ -79,6 +79,7 @@ from orchestrator.errors import (
     LockConflict,
     PrincipalNotAuthorized,
     StoreUnavailableError,
+    ValueNotStorableError,
     envelope,
 )
 
@@ -511,9 +512,7 @@ RoomId = Annotated[
 Skip = Annotated[
     int, Query(ge=0, le=MAX_SKIP, description=f"Records to skip, newest first (0-{MAX_SKIP}).")
 ]
-Limit = Annotated[
-    int, Query(ge=1, le=MAX_LIMIT, description=f"Records to return (1-{MAX_LIMIT}).")
-]
+Limit = Annotated[int, Query(ge=1, le=MAX_LIMIT, description=f"Records to return (1-{MAX_LIMIT}).")]
 
 
 # -- errors -------------------------------------------------------------------------------------
@@ -586,6 +585,9 @@ class _GuardedRoute(APIRoute):
                 return error_response(StoreUnavailableError(), phase)
             except StoreBusy:
                 return error_response(LockConflict(), phase)
+            except ValueNotStorable:
+                log.warning("http.value_not_storable", method=request.method, route=self.path)
+                return error_response(ValueNotStorableError(), phase)
             except Exception:
                 log.exception("http.unexpected_error", method=request.method, route=self.path)
                 return _internal_error(phase)

@@ -15,8 +15,10 @@ from typing import Any
 
 import jwt
 import pytest
+from sqlalchemy import select
 
-from ledger.errors import StoreUnavailable
+from ledger.errors import StoreUnavailable, ValueNotStorable
+from ledger.schema import NAME_LENGTH, operations, outbox
 from orchestrator.commands import MAX_SKIP
 from orchestrator.errors import REGISTRY, envelope
 from providers.fake.faults import FaultKind, FaultRule
@@ -121,6 +123,56 @@ async def test_an_invalid_definition_is_a_400_envelope_in_the_author_phase(api: 
     detail = _error(response.json())
     assert detail["phase"] == "author"
     assert REGISTRY[detail["error"]].http_status == 400
+
+
+def _with_names(*, step: str = "charge", event: str = "receipt") -> dict[str, Any]:
+    """The order command with its charge step and its outbox event renamed."""
+    command = order_command()
+    command["steps"][1]["name"] = step
+    command["outbox"][0]["name"] = event
+    command["outbox"][0]["payload"]["charge"] = {"$ref": f"steps.{step}.remote_id"}
+    command["result"] = {"charge": {"$ref": f"steps.{step}.remote_id"}}
+    return command
+
+
+@pytest.mark.parametrize(
+    ("names", "pointer"),
+    [
+        ({"event": "o" * (NAME_LENGTH + 1)}, "/outbox/0/name"),
+        ({"step": "c" * (NAME_LENGTH + 1)}, "/steps/1/name"),
+    ],
+)
+async def test_a_name_wider_than_its_column_is_refused_at_authoring(
+    api: Api, names: dict[str, str], pointer: str
+) -> None:
+    """A step or outbox name is first written when an execution starts; PostgreSQL refused one
+    wider than its column then (a 500 after the charge was sent, retried for ever), so authoring
+    refuses it, on both backends alike."""
+    await api.add_user("alice")
+    before = await api.counts()
+    response = await api.client.post(
+        "/v1/commands", json={"definition": _with_names(**names)}, headers=bearer("alice")
+    )
+    assert response.status_code == 400, response.text
+    detail = _error(response.json())
+    assert detail["error"] == "saga_definition_invalid"
+    assert detail["path"] == pointer
+    assert f"at most {NAME_LENGTH} characters" in detail["details"]["reason"]
+    assert await api.counts() == before
+
+
+async def test_names_as_wide_as_their_columns_execute_on_both_backends(api: Api) -> None:
+    await api.add_user("alice")
+    names = {"step": "c" * NAME_LENGTH, "event": "o" * NAME_LENGTH}
+    command = await api.create("alice", _with_names(**names))
+    response = await api.execute("alice", command["command_id"])
+    assert response.status_code == 200, response.text
+    assert response.json()["status"] == "succeeded"
+    assert (await api.shop.counts())["payments.charge"] == 1
+    async with api.orch.store.read() as conn:
+        steps = (await conn.execute(select(operations.c.step))).scalars().all()
+        kinds = (await conn.execute(select(outbox.c.kind))).scalars().all()
+    assert sorted(steps) == sorted(["reserve", names["step"]]) and kinds == [names["event"]]
 
 
 # -- execute ------------------------------------------------------------------------------------
@@ -387,9 +439,7 @@ async def test_commands_are_listed_newest_first_and_paged(api: Api) -> None:
         )
         assert page.status_code == 200
         assert page.json() == everything.json()[skip : skip + limit], (skip, limit)
-    last = await api.client.get(
-        "/v1/commands", params={"skip": MAX_SKIP}, headers=bearer("alice")
-    )
+    last = await api.client.get("/v1/commands", params={"skip": MAX_SKIP}, headers=bearer("alice"))
     assert last.status_code == 200 and last.json() == []
     for params in ({"limit": 0}, {"limit": 201}, {"skip": -1}, {"skip": 2**63}):
         refused = await api.client.get("/v1/commands", params=params, headers=bearer("alice"))
@@ -573,6 +623,22 @@ async def test_a_lost_database_is_a_retryable_503_without_its_text(
     assert response.json() == {"detail": envelope("store_unavailable", phase="author")}
     assert response.json()["detail"]["retryable"] is True
     assert "db.internal" not in response.text
+
+
+async def test_a_value_the_database_refuses_is_a_closed_400(
+    api: Api, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await api.add_user("alice")
+
+    async def refused(*args: Any, **kwargs: Any) -> Any:
+        raise ValueNotStorable("database refused a value (22001: string too long for its column)")
+
+    monkeypatch.setattr(api.orch.commands, "list", refused)
+    response = await api.client.get("/v1/commands", headers=bearer("alice"))
+    assert response.status_code == 400
+    assert response.json() == {"detail": envelope("value_not_storable", phase="author")}
+    assert response.json()["detail"]["retryable"] is False
+    assert "22001" not in response.text
 
 
 async def test_healthz_needs_no_credentials_and_openapi_is_published(api: Api) -> None:

@@ -27,7 +27,7 @@ from ledger import (
     reservations,
     schema,
 )
-from ledger.errors import StorageError
+from ledger.errors import StorageError, ValueNotStorable
 from ledger.store import Store
 
 if TYPE_CHECKING:
@@ -748,3 +748,26 @@ async def test_repositories_write_no_ledger_rows(store: Store) -> None:
         await commands.soft_delete(work, "c1")
     async with store.read() as conn:
         assert await conn.scalar(select(func.count()).select_from(schema.ledger)) == 0
+
+
+# -- values the database refuses ----------------------------------------------------------------
+
+
+async def test_a_value_the_database_refuses_is_value_not_storable(store: Store) -> None:
+    """The safety net under the checks where values enter: a string wider than its column
+    (PostgreSQL refuses it, SQLite stores it) or an integer past 64 bits (both refuse it) is
+    a ``ValueNotStorable`` that quotes no value, never the driver's own error."""
+    wide = "a" * (schema.NAME_LENGTH + 1)
+    if store.dialect == "postgresql":
+        with pytest.raises(ValueNotStorable) as refused:
+            async with store.transaction() as work:
+                await action_settings.put(
+                    work, "p", wide, requires_approval=True, approval_policy=None
+                )
+        assert str(refused.value) == (
+            "database refused a value (22001: string too long for its column)"
+        )
+        assert wide not in str(refused.value)
+    with pytest.raises(ValueNotStorable):
+        async with store.read() as conn:
+            await executions.list_(conn, command_id="c1", skip=2**63)

@@ -13,13 +13,20 @@ import structlog
 from sqlalchemy import func, select, text
 
 from fault_injection.bench import UNGROUPED_COMMITS_PER_SAGA
+from ledger.schema import (
+    NAME_LENGTH,
+    SAGA_NAME_LENGTH,
+    TX_ID_LENGTH,
+    operations,
+    outbox,
+    transactions,
+)
 from ledger.schema import ledger as ledger_table
-from ledger.schema import operations, outbox, transactions
 from ledger.states import EffectState, TxState
 from orchestrator import errors
 from orchestrator.expressions import ref
 from orchestrator.logging import configure_logging, info_enabled
-from orchestrator.saga import Saga, Step
+from orchestrator.saga import Event, Saga, Step
 from tests.support.sagas import order, order_saga
 from tests.support.world import World
 
@@ -187,6 +194,8 @@ BAD_INPUTS: list[tuple[str, Any, dict[str, Any], type[errors.AgentTxnError]]] = 
     ("not an object", None, ["x"], errors.InputInvalid),
     ("empty tx id", "", order("1"), errors.IdentifierInvalid),
     ("blank tx id", "   ", order("1"), errors.IdentifierInvalid),
+    # transactions.tx_id is 64 wide: PostgreSQL refused a longer id mid-write (SQLite kept it)
+    ("tx id longer than its column", "t" * 65, order("1"), errors.IdentifierInvalid),
     (
         "blank business key",
         None,
@@ -244,6 +253,18 @@ def _saga(**step: Any) -> Saga:
         (lambda: _saga(action="nope"), errors.UnknownActionError),
         (lambda: _saga(name=""), errors.DefinitionInvalid),
         (lambda: _saga(provider=" "), errors.DefinitionInvalid),
+        # names wider than the columns that hold them (operations.step, provider, action)
+        (lambda: _saga(name="s" * 101), errors.DefinitionInvalid),
+        (lambda: _saga(provider="p" * 101), errors.DefinitionInvalid),
+        (lambda: _saga(action="a" * 101), errors.DefinitionInvalid),
+        (
+            lambda: Saga(
+                "bad",
+                steps=_saga().steps,
+                outbox=[Event("e" * 101, "email", "send", {"to": "a@b.c", "template": "t"})],
+            ),
+            errors.DefinitionInvalid,
+        ),
         (lambda: _saga(payload={"$nope": 1}), errors.DefinitionInvalid),
         (lambda: _saga(payload={"to": ref("steps.later.remote_id")}), errors.DefinitionInvalid),
         (lambda: _saga(payload={"x": float("nan")}), errors.DefinitionInvalid),
@@ -260,6 +281,46 @@ def _saga(**step: Any) -> Saga:
 async def test_bad_saga_is_refused_at_registration(world: World, saga: Any, error: type) -> None:
     with pytest.raises(error):
         await world.orch.register(saga())
+    assert await world.shop.calls() == []
+
+
+async def test_names_and_ids_as_wide_as_their_columns_run_on_both_backends(
+    world: World,
+) -> None:
+    """The authoring limits are the columns' widths: the longest names and tx id they let
+    through are stored and run to the end on PostgreSQL too, which refuses anything wider."""
+    step, event = "s" * NAME_LENGTH, "e" * NAME_LENGTH
+    saga = Saga(
+        "w" * SAGA_NAME_LENGTH,
+        steps=[Step(step, "email", "send", {"to": "a@b.c", "template": "t"})],
+        outbox=[Event(event, "email", "send", {"to": "a@b.c", "template": "r"})],
+    )
+    tx_id = "t" * TX_ID_LENGTH
+    result = await world.orch.execute(saga, {}, tx_id=tx_id)
+    assert result.status == TxState.COMMITTED
+    async with world.orch.store.read() as conn:
+        steps = (await conn.execute(select(operations.c.step))).scalars().all()
+        kinds = (await conn.execute(select(outbox.c.kind))).scalars().all()
+    assert steps == [step] and kinds == [event]
+
+
+async def test_an_id_wider_than_its_column_that_slips_past_the_check_is_a_clean_refusal(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The safety net under the checks: were the tx id check looser than the column,
+    PostgreSQL's refusal of the write reaches the caller as ``value_not_storable``, with
+    nothing written and no effect sent (SQLite stores the id: it ignores VARCHAR widths)."""
+    monkeypatch.setattr("orchestrator.engine.TX_ID_LENGTH", 200)
+    before = await _row_counts(world)
+    tx_id = "t" * (TX_ID_LENGTH + 1)
+    if world.orch.store.dialect != "postgresql":
+        result = await world.orch.execute(order_saga(), order("1"), tx_id=tx_id)
+        assert result.status is TxState.COMMITTED
+        return
+    with pytest.raises(errors.ValueNotStorableError) as refused:
+        await world.orch.execute(order_saga(), order("1"), tx_id=tx_id)
+    assert refused.value.envelope()["error"] == "value_not_storable"
+    assert await _row_counts(world) == before
     assert await world.shop.calls() == []
 
 
