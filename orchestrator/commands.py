@@ -48,7 +48,7 @@ from sqlalchemy import text
 
 from ledger import action_settings, commands, executions, principals, reservations, staged
 from ledger import callbacks as callback_runs
-from ledger.canonical import NotCanonicalizable, canonical_json, fingerprint
+from ledger.canonical import NotCanonicalizable, canonical_json, fingerprint, jsonb_stable
 from ledger.commands import CommandRow
 from ledger.errors import StorageError, StoreBusy, ValueNotStorable
 from ledger.executions import ExecutionRow
@@ -1235,7 +1235,11 @@ def _validate_query_inputs(stored: StoredCommand, inputs: Any) -> dict[str, Any]
 def _same_inputs(previous: ExecutionRow, inputs: Any) -> None:
     """A replay is for the same request: the same key with other inputs is refused."""
     try:
-        same = fingerprint(previous.input_snapshot) == fingerprint(inputs)
+        # Both as JSONB keeps numbers: the snapshot was read back from it (on PostgreSQL a float
+        # of 1e16 or more comes back as an integer), the request still holds what was sent.
+        same = fingerprint(jsonb_stable(previous.input_snapshot)) == fingerprint(
+            jsonb_stable(inputs)
+        )
     except NotCanonicalizable:
         same = False
     if not same:

@@ -73,7 +73,13 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 from pydantic import Field as PydField
 
-from ledger.canonical import NotCanonicalizable, canonical_json, fingerprint, unstorable_text
+from ledger.canonical import (
+    NotCanonicalizable,
+    canonical_json,
+    fingerprint,
+    jsonb_stable,
+    unstorable_text,
+)
 from ledger.schema import NAME_LENGTH, SAGA_NAME_LENGTH
 from orchestrator import budgets, expressions
 from orchestrator.errors import (
@@ -1437,7 +1443,10 @@ def normalize(
         raise _invalid(
             "/: unknown key 'dependency_contract' (the server builds it)", "/dependency_contract"
         )
-    data = _shape(raw)
+    # Numbers as PostgreSQL's JSONB stores them (a float of 1e16 or more as the integer it is,
+    # -0.0 as 0.0): the stored definition, its digest and what GET returns then agree on both
+    # backends, so sha256 of the GET definition is the digest (docs/commands.md).
+    data = _shape(jsonb_stable(raw))
     _check_providers(data, registry)
     data["dependency_contract"] = build_dependency_contract(data, registry, settings)
     return StoredCommand(data=data, digest=fingerprint(data))

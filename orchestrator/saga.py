@@ -36,7 +36,13 @@ from typing import Any, Final
 from pydantic import ConfigDict, ValidationError, create_model
 from pydantic import Field as PydField
 
-from ledger.canonical import NotCanonicalizable, canonical_json, fingerprint, unstorable_text
+from ledger.canonical import (
+    NotCanonicalizable,
+    canonical_json,
+    fingerprint,
+    jsonb_stable,
+    unstorable_text,
+)
 from ledger.schema import NAME_LENGTH, SAGA_NAME_LENGTH
 from orchestrator import expressions
 from orchestrator.errors import DefinitionInvalid, InputInvalid
@@ -431,18 +437,32 @@ class SagaDefinition:
                 details={"errors": [{"field": "", "problem": "NUL or unpaired surrogate"}]}
             )
         try:
-            canonical_json(out)
+            text = canonical_json(out)
         except NotCanonicalizable:
             raise InputInvalid(
                 details={"errors": [{"field": "", "problem": "not plain JSON"}]}
             ) from None
-        return out
+        # Numbers as PostgreSQL's JSONB gives them back (a float of 1e16 or more as the integer
+        # it is, -0.0 as 0.0), before the inputs are fingerprinted or stored: otherwise a replay
+        # or a confirmed plan compares the float with its reloaded integer and finds them apart.
+        return jsonb_stable(out) if _may_be_unstable(text) else out
+
+
+def _may_be_unstable(text: str) -> bool:
+    """Whether canonical JSON ``text`` may hold a number :func:`jsonb_stable` changes: Python
+    writes a float of 1e16 or more with ``e+`` and a negative zero as ``-0.0`` (a string that
+    holds either only costs the walk)."""
+    return "e+" in text or "-0.0" in text
 
 
 def _round_trip(data: Any) -> Any:
+    """``data`` as plain JSON, its numbers as JSONB gives them back (the definition is stored
+    in a JSONB column, and its digest must match the reloaded definition's)."""
     import json
 
-    return json.loads(canonical_json(data))
+    text = canonical_json(data)
+    plain = json.loads(text)
+    return jsonb_stable(plain) if _may_be_unstable(text) else plain
 
 
 @functools.lru_cache(maxsize=256)

@@ -10,6 +10,8 @@ do not exist or fail unexpectedly.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 from typing import Any
 
@@ -173,6 +175,59 @@ async def test_names_as_wide_as_their_columns_execute_on_both_backends(api: Api)
         steps = (await conn.execute(select(operations.c.step))).scalars().all()
         kinds = (await conn.execute(select(outbox.c.kind))).scalars().all()
     assert sorted(steps) == sorted(["reserve", names["step"]]) and kinds == [names["event"]]
+
+
+def _weighed_order() -> dict[str, Any]:
+    """The order command with a number input and a cap whose bound JSONB would rewrite."""
+    command = order_command(name="weighed")
+    command["inputs"]["weight"] = {"type": "number"}
+    command["caps"] = [{"name": "big", "value": {"$ref": "inputs.amount"}, "max": 1e20}]
+    return command
+
+
+async def test_a_big_float_in_a_definition_keeps_the_digest_recipe_on_both_backends(
+    api: Api,
+) -> None:
+    """PostgreSQL's JSONB gives ``1e20`` back as ``100000000000000000000``: the definition is
+    stored in that form on both backends, so sha256 of the GET definition is its digest, and
+    that digest is accepted as ``expected_contract_digest``."""
+    await api.add_user("alice")
+    created = await api.create("alice", _weighed_order())
+    got = await api.client.get(f"/v1/commands/{created['command_id']}", headers=bearer("alice"))
+    definition = got.json()["definition"]
+    assert definition["caps"][0]["max"] == 10**20 and type(definition["caps"][0]["max"]) is int
+    recipe = json.dumps(definition, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    digest = hashlib.sha256(recipe.encode()).hexdigest()
+    assert digest == got.json()["digest"] == created["digest"]
+    response = await api.execute(
+        "alice",
+        created["command_id"],
+        {**order_inputs(), "weight": 1},
+        expected_contract_digest=digest,
+    )
+    assert response.status_code == 200, response.text
+
+
+async def test_a_replay_with_a_big_float_input_is_the_same_request_on_both_backends(
+    api: Api,
+) -> None:
+    """The stored input snapshot comes back from JSONB with ``1e16`` as an integer; the replay
+    of the identical request still matches it, and nothing is sent twice."""
+    await api.add_user("alice")
+    command_id = (await api.create("alice", _weighed_order()))["command_id"]
+    inputs = {**order_inputs(), "weight": 1e16}
+    first = await api.execute("alice", command_id, inputs, idempotency_key="k-1e16")
+    assert first.status_code == 200, first.text
+    replay = await api.execute("alice", command_id, inputs, idempotency_key="k-1e16")
+    assert replay.status_code == 200, replay.text
+    assert replay.headers.get("idempotent-replayed") == "true"
+    assert replay.json() == first.json()
+    assert (await api.shop.counts())["payments.charge"] == 1
+    other = await api.execute(
+        "alice", command_id, {**inputs, "weight": 2e16}, idempotency_key="k-1e16"
+    )
+    assert other.status_code == 409
+    assert _error(other.json())["error"] == "idempotency_payload_mismatch"
 
 
 # -- execute ------------------------------------------------------------------------------------

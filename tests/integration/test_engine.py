@@ -6,6 +6,7 @@ import asyncio
 import io
 import json
 import uuid
+from decimal import Decimal
 from typing import Any
 
 import pytest
@@ -24,9 +25,9 @@ from ledger.schema import (
 from ledger.schema import ledger as ledger_table
 from ledger.states import EffectState, TxState
 from orchestrator import errors
-from orchestrator.expressions import ref
+from orchestrator.expressions import mul, neg, ref
 from orchestrator.logging import configure_logging, info_enabled
-from orchestrator.saga import Event, Saga, Step
+from orchestrator.saga import Event, Input, Saga, Step
 from tests.support.sagas import order, order_saga
 from tests.support.world import World
 
@@ -444,3 +445,56 @@ async def test_per_effect_events_are_logged_with_their_context_only_when_info_is
     assert [e["event"] for e in applies] == expected
     for e in applies:
         assert e["tx_id"] == result.tx_id and e["op_key"] and e["outcome"] == "Confirmed"
+
+
+# -- numbers JSONB rewrites ---------------------------------------------------------------------
+
+
+def _weighed() -> Saga:
+    """A saga whose payload carries a number input as sent and a product of floats."""
+    weight = ref("inputs.weight")
+    return Saga(
+        "weighed",
+        inputs={"weight": Input("number")},
+        steps=[
+            Step(
+                "note",
+                "email",
+                "send",
+                {
+                    "to": "a@b.c",
+                    "template": "t",
+                    "charge": {"as_sent": weight, "product": mul(weight, 1e8), "neg": neg(0.0)},
+                },
+            )
+        ],
+    )
+
+
+@pytest.mark.parametrize("weight", [1e16, 1e8, -2.5e200, -0.0])
+async def test_a_number_jsonb_rewrites_runs_a_staged_plan_and_replays_on_both_backends(
+    world: World, weight: float
+) -> None:
+    """PostgreSQL's JSONB gives a float of 1e16 or more back as an integer (and -0.0 as 0.0);
+    the inputs and every rendered payload are taken in that form before they are fingerprinted,
+    so a staged plan runs after its reload instead of parking as a payload mismatch, and the
+    same tx id with the same inputs is the same intent."""
+    tx_id = await world.orch.stage(_weighed(), {"weight": weight})
+    staged = await world.orch.execute_staged(tx_id)
+    assert staged.status is TxState.COMMITTED, staged
+    first = await world.orch.execute(_weighed(), {"weight": weight}, tx_id="weighed-1")
+    assert first.status is TxState.COMMITTED
+    again = await world.orch.execute(_weighed(), {"weight": weight}, tx_id="weighed-1")
+    assert again.status is TxState.COMMITTED
+    assert len(await world.shop.calls()) == 2  # one send per intent, none for the replay
+    async with world.orch.store.read() as conn:
+        payloads = (await conn.execute(select(operations.c.payload))).scalars().all()
+    for payload in payloads:
+        sent = payload["charge"]
+        assert sent["neg"] == 0.0 and str(sent["neg"]) == "0.0"
+        if abs(weight) >= 1e16:
+            # the integer the float is written as (what JSONB keeps): the same double
+            assert type(sent["as_sent"]) is int and float(sent["as_sent"]) == weight
+            assert sent["as_sent"] == int(Decimal(repr(weight)))
+        if abs(weight) * 1e8 >= 1e16:
+            assert type(sent["product"]) is int
