@@ -191,7 +191,7 @@ def is_name(value: object, longest: int = NAME_LENGTH) -> bool:
     or an action's name (``longest`` another column's width). Checked here, when the definition
     is authored, because PostgreSQL refuses a longer value only when the saga first writes it,
     after effects may have been sent; SQLite stores it anyway."""
-    return is_identifier(value) and len(value) <= longest  # type: ignore[arg-type]
+    return isinstance(value, str) and is_identifier(value) and len(value) <= longest
 
 
 def _invalid(reason: str, step: str | None = None) -> DefinitionInvalid:
