@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Callable
+from decimal import Decimal
 from json.encoder import c_make_encoder, encode_basestring_ascii  # type: ignore[attr-defined]
-from typing import Any
+from typing import Any, Final
 
 
 class NotCanonicalizable(ValueError):
@@ -94,6 +96,84 @@ def sha256_hex(text: str) -> str:
 def fingerprint(value: Any) -> str:
     """SHA-256 of the canonical JSON of ``value``: the payload fingerprint and definition digest."""
     return sha256_hex(canonical_json(value))
+
+
+#: From this magnitude on, Python writes a float with an exponent (``1e+16``), and PostgreSQL's
+#: JSONB keeps it as the decimal integer it denotes and gives it back as one
+#: (``10000000000000000``): a fingerprint taken over the float then misses the one taken over the
+#: reloaded value. Every float this large is an integer already (a double has 53 bits of
+#: mantissa), so :func:`jsonb_stable` writes it as one before anything is fingerprinted.
+JSONB_INTEGRAL_FROM: Final = 1e16
+
+
+def _stable_float(value: float) -> int | float:
+    """The number PostgreSQL's JSONB gives back for ``value``: the integer its shortest
+    decimal form denotes from :data:`JSONB_INTEGRAL_FROM` on (JSONB keeps that decimal, not
+    the binary value: ``int(1.5e300)`` is not ``15`` followed by zeros), and ``0.0`` for
+    ``-0.0`` (JSONB's numeric has no negative zero)."""
+    if _negative_zero(value):
+        return 0.0
+    if math.isfinite(value) and abs(value) >= JSONB_INTEGRAL_FROM:
+        return int(Decimal(repr(value)))
+    return value
+
+
+def _negative_zero(value: float) -> bool:
+    return value == 0.0 and math.copysign(1.0, value) < 0
+
+
+def _needs_stable(value: float) -> bool:
+    return _negative_zero(value) or (math.isfinite(value) and abs(value) >= JSONB_INTEGRAL_FROM)
+
+
+def jsonb_stable(value: Any) -> Any:
+    """``value`` as PostgreSQL's JSONB stores and returns it, so that a fingerprint taken now
+    equals one taken over the value read back, on both backends alike: floats of magnitude
+    1e16 or more become the integers they denote, ``-0.0`` becomes ``0.0`` (see
+    :func:`_stable_float`). Every other value is unchanged; ``value`` itself is returned when
+    nothing in it changes, and otherwise a copy of its dicts and lists with the numbers
+    replaced. The same number either way: JSON does not tell ``1e16`` from
+    ``10000000000000000``.
+
+    Applied where numbers enter (inputs, definitions) and where expressions make or copy them
+    (:mod:`orchestrator.expressions`), before any fingerprint; never inside
+    :func:`canonical_json`, whose text must stay what ``json.dumps`` gives for the digest
+    recipe callers follow."""
+    if type(value) is float:
+        return _stable_float(value)
+    if not _holds_unstable(value):
+        return value
+    holder: list[Any] = [None]
+    stack: list[tuple[Any, Any, Any]] = [(value, holder, 0)]
+    while stack:
+        source, parent, slot = stack.pop()
+        if isinstance(source, float) and not isinstance(source, bool):
+            result: Any = _stable_float(source)
+        elif isinstance(source, dict):
+            result = dict.fromkeys(source)
+            stack.extend((member, result, key) for key, member in source.items())
+        elif isinstance(source, (list, tuple)):
+            result = [None] * len(source)
+            stack.extend((member, result, index) for index, member in enumerate(source))
+        else:
+            result = source
+        parent[slot] = result
+    return holder[0]
+
+
+def _holds_unstable(value: Any) -> bool:
+    """Whether ``value`` holds a float that :func:`jsonb_stable` would change."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if type(item) is float:
+            if _needs_stable(item):
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return False
 
 
 def unstorable_text(value: Any) -> bool:

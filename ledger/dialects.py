@@ -30,7 +30,13 @@ from sqlalchemy.sql.elements import ColumnElement
 
 from ledger import sqlite_inline
 from ledger.canonical import plain_json
-from ledger.errors import DuplicateKey, StorageError, StoreBusy, StoreUnavailable
+from ledger.errors import (
+    DuplicateKey,
+    StorageError,
+    StoreBusy,
+    StoreUnavailable,
+    ValueNotStorable,
+)
 
 Dialect = Literal["sqlite", "postgresql"]
 
@@ -46,6 +52,12 @@ _PG_UNIQUE = "23505"
 _PG_UNREACHABLE_CLASSES = frozenset({"08", "3D", "28", "53"})
 #: What the operator reads for a shortage the sqlstate alone would not explain (class 53).
 _PG_SHORTAGES = {"53100": "disk full", "53200": "out of memory", "53300": "too many connections"}
+#: PostgreSQL's data exceptions (class 22) the operator reads by name; the rest of the class
+#: is reported by its code alone.
+_PG_DATA_EXCEPTIONS = {
+    "22001": "string too long for its column",
+    "22003": "number out of its column's range",
+}
 
 
 def dialect_of(url: str) -> Dialect:
@@ -417,6 +429,13 @@ def translate(exc: BaseException) -> StorageError | None:
             return StoreUnavailable("database connection lost")
         if _not_a_database(text):
             return StoreUnavailable(_NOT_A_DATABASE)
+        if (code or "")[:2] == "22":
+            # A data exception: the value has no place in its column (a string wider than a
+            # VARCHAR(n), an integer past BIGINT). The statement wrote nothing, and the same
+            # value fails again, so it is neither a lost database nor contention; its text
+            # (which may quote the value) stays out of the message.
+            reason = _PG_DATA_EXCEPTIONS.get(code or "", "data exception")
+            return ValueNotStorable(f"database refused a value ({code}: {reason})")
         if (code or "")[:2] == "53":
             # Insufficient resources (disk full, out of memory) during a statement: the
             # statement failed, so the transaction wrote nothing; SQLAlchemy's asyncpg adapter
@@ -426,6 +445,9 @@ def translate(exc: BaseException) -> StorageError | None:
         if isinstance(exc, OperationalError):
             return StoreUnavailable("database operational error")
         return None
+    if isinstance(exc, OverflowError) and "sqlite" in str(exc).lower():
+        # sqlite3 refuses to bind an integer past 64 bits before SQLite sees it.
+        return ValueNotStorable("database refused a value (integer wider than 64 bits)")
     if isinstance(exc, sqlite3.DatabaseError) and _not_a_database(str(exc).lower()):
         return StoreUnavailable(_NOT_A_DATABASE)  # raised by the inline driver, unwrapped
     if isinstance(exc, (ConnectionError, OSError)):

@@ -8,6 +8,7 @@
     ├── DuplicateKey        a unique key (op key, business key, ...) already exists
     ├── LedgerTampered      the hash chain or the replay does not match the rows
     ├── SchemaOutdated      the database is behind this package's migrations
+    ├── ValueNotStorable    the database refused a value as too long or out of range for its column
     ├── StoreBusy           lock contention (SQLite busy, PostgreSQL lock/serialization); retryable
     └── StoreUnavailable    the database could not be reached or the connection dropped; retryable
 
@@ -80,3 +81,11 @@ class StoreUnavailable(StorageError):
     """The database could not be reached or the connection dropped mid-transaction."""
 
     retryable = True
+
+
+class ValueNotStorable(StorageError):
+    """The database refused a value written to it: a string longer than its column, a number
+    out of its column's range (PostgreSQL's data exceptions, SQLSTATE class 22; SQLite stores
+    either). Every such value is meant to be refused before the write, where it enters
+    (``ledger.schema`` names the widths the checks use), so this is the safety net: the
+    statement failed and wrote nothing, and the same value fails again."""

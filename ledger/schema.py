@@ -58,6 +58,29 @@ NAMING_CONVENTION = {
 
 metadata = MetaData(naming_convention=NAMING_CONVENTION)
 
+# -- widths of the columns that hold what callers and authors choose ---------------------------
+# PostgreSQL refuses a longer value when it is written (SQLite stores it anyway), and a write
+# can come late: a step's name is first written when the saga starts, after the command was
+# stored, so authoring and the engine check against these same constants, never their own copy
+# (the migrations spell the numbers out, and a test compares them with this schema).
+
+#: A step's, an outbox event's, a provider's or an action's name: ``operations.step``,
+#: ``compensation_steps.step``, ``outbox.kind``, the effects' ``provider``/``action``, grants
+#: and approval settings.
+NAME_LENGTH: Final = 100
+#: A saga's or a command's name (``saga_definitions.name``, ``transactions.saga_name``,
+#: ``commands.name``, ``principals.name``).
+SAGA_NAME_LENGTH: Final = 200
+#: A transaction id (``transactions.tx_id`` and every table that refers to one).
+TX_ID_LENGTH: Final = 64
+#: A business key as its command renders it; stored tenant first, in
+#: :data:`STORED_BUSINESS_KEY_LENGTH`.
+BUSINESS_KEY_LENGTH: Final = 256
+#: An idempotency key of an execute (``executions.idempotency_key``, the reservations' ``key``).
+IDEMPOTENCY_KEY_LENGTH: Final = 128
+#: A tenant's name (``commands.tenant``, ``principals.tenant``).
+TENANT_LENGTH: Final = 100
+
 #: JSON documents: JSONB on PostgreSQL, JSON text on SQLite; Python ``None`` is SQL NULL.
 Json = JSON(none_as_null=True).with_variant(JSONB(none_as_null=True), "postgresql")
 #: Auto-incrementing 64-bit key (SQLite only auto-increments a plain INTEGER PRIMARY KEY).
@@ -99,7 +122,7 @@ saga_definitions = Table(
     "saga_definitions",
     metadata,
     Column("digest", String(64), primary_key=True),  # sha256 of the canonical definition
-    Column("name", String(200), nullable=False),
+    Column("name", String(SAGA_NAME_LENGTH), nullable=False),
     Column("definition", Json, nullable=False),
     Column("created_at", BigInteger, nullable=False),
 )
@@ -141,16 +164,16 @@ def _sqlite_key(table: str, column: str, target: str) -> ForeignKeyConstraint:
     return ForeignKeyConstraint([column], [target]).ddl_if(dialect="sqlite")
 
 
-#: The stored business key, tenant first (``orchestrator.keys.tenant_business_key``): a tenant of
-#: 100 characters, each escaped to 3 at most, the ``/``, and a rendered key of 256.
-STORED_BUSINESS_KEY_LENGTH: Final = 3 * 100 + 1 + 256
+#: The stored business key, tenant first (``orchestrator.keys.tenant_business_key``): a tenant
+#: whose characters are each escaped to 3 at most, the ``/``, and a rendered key (557 in all).
+STORED_BUSINESS_KEY_LENGTH: Final = 3 * TENANT_LENGTH + 1 + BUSINESS_KEY_LENGTH
 
 transactions = Table(
     "transactions",
     metadata,
-    Column("tx_id", String(64), primary_key=True),
+    Column("tx_id", String(TX_ID_LENGTH), primary_key=True),
     Column("definition_digest", String(64), nullable=False),
-    Column("saga_name", String(200), nullable=False),
+    Column("saga_name", String(SAGA_NAME_LENGTH), nullable=False),
     # ``{tenant}/{key}`` (``orchestrator.keys.tenant_business_key``, migration 0009).
     Column("business_key", String(STORED_BUSINESS_KEY_LENGTH), nullable=True),
     Column("inputs", Json, nullable=False),
@@ -204,8 +227,8 @@ def transactions_due() -> ColumnElement[bool]:
 def _effect_columns() -> list[Column[Any]]:
     """Columns of the shared effect state machine (fresh objects per table)."""
     return [
-        Column("provider", String(100), nullable=False),
-        Column("action", String(100), nullable=False),
+        Column("provider", String(NAME_LENGTH), nullable=False),
+        Column("action", String(NAME_LENGTH), nullable=False),
         Column("ordinal", Integer, nullable=False),
         Column("payload", Json, nullable=True),  # canonical payload, rendered before the claim
         Column("payload_sha256", String(64), nullable=True),
@@ -249,8 +272,8 @@ operations = Table(
     "operations",
     metadata,
     Column("op_key", String(64), primary_key=True),
-    Column("tx_id", String(64), nullable=False),
-    Column("step", String(100), nullable=False),
+    Column("tx_id", String(TX_ID_LENGTH), nullable=False),
+    Column("step", String(NAME_LENGTH), nullable=False),
     *_effect_columns(),
     *_effect_checks("operations"),
     _sqlite_key("operations", "tx_id", "transactions.tx_id"),
@@ -261,9 +284,9 @@ compensation_steps = Table(
     "compensation_steps",
     metadata,
     Column("op_key", String(64), primary_key=True),
-    Column("tx_id", String(64), nullable=False),
+    Column("tx_id", String(TX_ID_LENGTH), nullable=False),
     Column("forward_op_key", String(64), ForeignKey("operations.op_key"), nullable=False),
-    Column("step", String(100), nullable=False),  # the forward step's name
+    Column("step", String(NAME_LENGTH), nullable=False),  # the forward step's name
     *_effect_columns(),
     *_effect_checks("compensation_steps"),
     _sqlite_key("compensation_steps", "tx_id", "transactions.tx_id"),
@@ -274,8 +297,8 @@ outbox = Table(
     "outbox",
     metadata,
     Column("event_key", String(64), primary_key=True),
-    Column("tx_id", String(64), nullable=False),
-    Column("kind", String(100), nullable=False),  # the event's name in the saga definition
+    Column("tx_id", String(TX_ID_LENGTH), nullable=False),
+    Column("kind", String(NAME_LENGTH), nullable=False),  # the event's name in the saga definition
     *_effect_columns(),
     *_effect_checks("outbox"),
     _sqlite_key("outbox", "tx_id", "transactions.tx_id"),
@@ -306,7 +329,7 @@ ledger = Table(
     "ledger",
     metadata,
     Column("seq", SeqId, primary_key=True, autoincrement=True),
-    Column("tx_id", String(64), nullable=False),
+    Column("tx_id", String(TX_ID_LENGTH), nullable=False),
     Column("subject", String(64), nullable=True),  # op_key / event_key, or NULL for the tx itself
     Column("action", String(64), nullable=False),
     Column("from_state", String(32), nullable=True),
@@ -354,8 +377,8 @@ commands = Table(
     "commands",
     metadata,
     Column("command_id", String(64), primary_key=True),
-    Column("tenant", String(100), nullable=False),
-    Column("name", String(200), nullable=False),
+    Column("tenant", String(TENANT_LENGTH), nullable=False),
+    Column("name", String(SAGA_NAME_LENGTH), nullable=False),
     Column("scope_kind", String(16), nullable=False),
     Column("scope_id", String(64), nullable=False),
     Column("tag_id", String(64), nullable=True),
@@ -380,12 +403,14 @@ executions = Table(
     Column("execution_id", String(64), primary_key=True),
     Column("command_id", String(64), ForeignKey("commands.command_id"), nullable=False),
     Column("command_digest", String(64), nullable=False),
-    Column("tx_id", String(64), nullable=True),  # NULL when it failed before any transaction
+    Column(
+        "tx_id", String(TX_ID_LENGTH), nullable=True
+    ),  # NULL when it failed before any transaction
     Column("status", String(16), nullable=False),
     Column("invoker_kind", String(8), nullable=False),
     Column("invoker_id", String(64), nullable=False),
     Column("actor_bucket", String(80), nullable=False),  # user:{id} | client:{id}
-    Column("idempotency_key", String(128), nullable=True),
+    Column("idempotency_key", String(IDEMPOTENCY_KEY_LENGTH), nullable=True),
     Column("origin", String(16), nullable=False),  # manual | agent
     Column("input_snapshot", Json, nullable=False),
     Column("authorization_snapshot", Json, nullable=False),
@@ -412,7 +437,7 @@ idempotency_reservations = Table(
     metadata,
     Column("command_id", String(64), primary_key=True),
     Column("actor_bucket", String(80), primary_key=True),
-    Column("key", String(128), primary_key=True),
+    Column("key", String(IDEMPOTENCY_KEY_LENGTH), primary_key=True),
     Column("execution_id", String(64), nullable=False),
     Column("expires_at", BigInteger, nullable=False),
     Column("created_at", BigInteger, nullable=False),
@@ -422,9 +447,9 @@ principals = Table(
     "principals",
     metadata,
     Column("principal_id", String(64), primary_key=True),
-    Column("tenant", String(100), nullable=False),
+    Column("tenant", String(TENANT_LENGTH), nullable=False),
     Column("kind", String(8), nullable=False),
-    Column("name", String(200), nullable=False),
+    Column("name", String(SAGA_NAME_LENGTH), nullable=False),
     Column("verified", Integer, nullable=False, server_default=text("0")),  # 0/1 on both backends
     Column("disabled", Integer, nullable=False, server_default=text("0")),
     Column("api_key_sha256", String(64), nullable=True, unique=True),
@@ -438,8 +463,8 @@ grants = Table(
     metadata,
     Column("grant_id", String(64), primary_key=True),
     Column("principal_id", String(64), ForeignKey("principals.principal_id"), nullable=False),
-    Column("provider", String(100), nullable=False),
-    Column("action", String(100), nullable=False),  # '*' = every action of the provider
+    Column("provider", String(NAME_LENGTH), nullable=False),
+    Column("action", String(NAME_LENGTH), nullable=False),  # '*' = every action of the provider
     Column("permission", String(16), nullable=False),
     Column("max_amount", BigInteger, nullable=True),  # cap on payload[amount_field]
     Column("amount_field", String(100), nullable=True),
@@ -462,8 +487,8 @@ room_members = Table(
 action_settings = Table(
     "action_settings",
     metadata,
-    Column("provider", String(100), primary_key=True),
-    Column("action", String(100), primary_key=True),
+    Column("provider", String(NAME_LENGTH), primary_key=True),
+    Column("action", String(NAME_LENGTH), primary_key=True),
     Column("requires_approval", Integer, nullable=False, server_default=text("0")),
     Column("approval_policy", Json, nullable=True),
     Column("locked_for", String(100), nullable=True),  # an operation holding the action

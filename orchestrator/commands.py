@@ -56,11 +56,12 @@ from ledger import (
     transactions,
 )
 from ledger import callbacks as callback_runs
-from ledger.canonical import NotCanonicalizable, canonical_json, fingerprint
+from ledger.canonical import NotCanonicalizable, canonical_json, fingerprint, jsonb_stable
 from ledger.commands import CommandRow
-from ledger.errors import StorageError, StoreBusy
+from ledger.errors import StorageError, StoreBusy, ValueNotStorable
 from ledger.executions import ExecutionRow
 from ledger.ids import time_ordered_id
+from ledger.schema import IDEMPOTENCY_KEY_LENGTH
 from ledger.states import TxState
 from ledger.store import Work
 from orchestrator import audit, authz, budgets, definitions, expressions, keys
@@ -95,6 +96,7 @@ from orchestrator.errors import (
     StagedChangeDecided,
     StagedChangeNotFound,
     StoreUnavailableError,
+    ValueNotStorableError,
 )
 from orchestrator.saga import SagaDefinition
 from orchestrator.views import SagaResult
@@ -105,6 +107,12 @@ if TYPE_CHECKING:
 
 DIGEST_PATTERN: Final = re.compile(r"^[0-9a-f]{64}$")
 IDEMPOTENCY_TTL_MS: Final = 24 * 3600 * 1000
+#: Largest page offset (``skip``) a listing takes: more records than a tenant keeps, and far
+#: inside the 64-bit integer both databases bind an OFFSET as (a larger one was a 500: SQLite's
+#: driver raised OverflowError, PostgreSQL "value out of int64 range").
+MAX_SKIP: Final = 1_000_000_000
+#: Most records one page returns.
+MAX_LIMIT: Final = 200
 
 
 class Unchanged(enum.Enum):
@@ -201,6 +209,8 @@ class CommandService:
                 yield conn
         except StoreBusy as exc:
             raise LockConflict() from exc
+        except ValueNotStorable as exc:
+            raise ValueNotStorableError() from exc
         except StorageError as exc:
             raise StoreUnavailableError() from exc
 
@@ -434,7 +444,8 @@ class CommandService:
         ):
             raise ContractDigestInvalid(details={"field": "expected_contract_digest"})
         if idempotency_key is not None and (
-            not isinstance(idempotency_key, str) or not 1 <= len(idempotency_key) <= 128
+            not isinstance(idempotency_key, str)
+            or not 1 <= len(idempotency_key) <= IDEMPOTENCY_KEY_LENGTH
         ):
             raise IdempotencyKeyInvalid(details={"field": "idempotency_key"})
         async with self._read() as conn:
@@ -1275,10 +1286,10 @@ def _replay(previous: ExecutionRow) -> Outcome:
 
 def _check_page(skip: int, limit: int) -> None:
     problems = []
-    if not isinstance(skip, int) or skip < 0:
-        problems.append({"field": "skip", "problem": "must be >= 0"})
-    if not isinstance(limit, int) or not 1 <= limit <= 200:
-        problems.append({"field": "limit", "problem": "must be 1..200"})
+    if not isinstance(skip, int) or not 0 <= skip <= MAX_SKIP:
+        problems.append({"field": "skip", "problem": f"must be 0..{MAX_SKIP}"})
+    if not isinstance(limit, int) or not 1 <= limit <= MAX_LIMIT:
+        problems.append({"field": "limit", "problem": f"must be 1..{MAX_LIMIT}"})
     if problems:
         raise RequestInvalid(details={"errors": problems})
 
@@ -1345,7 +1356,11 @@ def _validate_query_inputs(stored: StoredCommand, inputs: Any) -> dict[str, Any]
 def _same_inputs(previous: ExecutionRow, inputs: Any) -> None:
     """A replay is for the same request: the same key with other inputs is refused."""
     try:
-        same = fingerprint(previous.input_snapshot) == fingerprint(inputs)
+        # Both as JSONB keeps numbers: the snapshot was read back from it (on PostgreSQL a float
+        # of 1e16 or more comes back as an integer), the request still holds what was sent.
+        same = fingerprint(jsonb_stable(previous.input_snapshot)) == fingerprint(
+            jsonb_stable(inputs)
+        )
     except NotCanonicalizable:
         same = False
     if not same:

@@ -9,6 +9,7 @@ import uuid
 from pydantic import BaseModel, ConfigDict, Field
 
 from ledger import dialects
+from ledger.schema import TENANT_LENGTH
 from ledger.store import SqliteWriter
 
 
@@ -31,7 +32,7 @@ class EngineSettings(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     #: Part of every idempotency key: two tenants or environments never share a key.
-    tenant: str = Field(default="default", min_length=1, max_length=100)
+    tenant: str = Field(default="default", min_length=1, max_length=TENANT_LENGTH)
     environment: str = Field(default="dev", min_length=1, max_length=100)
     #: Appears as ``lease_owner`` and in the ledger.
     worker_id: str = Field(default_factory=default_worker_id, min_length=1, max_length=128)

@@ -73,7 +73,14 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 from pydantic import Field as PydField
 
-from ledger.canonical import NotCanonicalizable, canonical_json, fingerprint, unstorable_text
+from ledger.canonical import (
+    NotCanonicalizable,
+    canonical_json,
+    fingerprint,
+    jsonb_stable,
+    unstorable_text,
+)
+from ledger.schema import NAME_LENGTH, SAGA_NAME_LENGTH
 from orchestrator import budgets, expressions
 from orchestrator.errors import (
     DefinitionInvalid,
@@ -459,10 +466,21 @@ def _validated(model: type[BaseModel], value: object, base: str) -> Any:
         raise _from_model_error(exc, base) from None
 
 
-def _name(value: str, path: str, what: str, *, dots: bool = False) -> str:
-    """A name other parts refer to: an identifier, without dots when it is a reference segment."""
-    if not is_identifier(value) or (not dots and "." in value):
+def _name(
+    value: str, path: str, what: str, *, dots: bool = False, longest: int | None = None
+) -> str:
+    """A name other parts refer to: an identifier, without dots when it is a reference segment;
+    at most ``longest`` characters when it is stored in a column of that width (a step's, an
+    event's, a provider's or an action's name: :data:`ledger.schema.NAME_LENGTH`), since
+    PostgreSQL refuses a longer value only when an execution first writes it."""
+    if (
+        not is_identifier(value)
+        or (not dots and "." in value)
+        or (longest is not None and len(value) > longest)
+    ):
         rule = "an identifier" if dots else "an identifier without dots"
+        if longest is not None:
+            rule += f" of at most {longest} characters"
         raise _invalid(f"{path}: {what} must be {rule}", path)
     return value
 
@@ -705,7 +723,7 @@ def _shape(raw: Mapping[str, Any]) -> dict[str, Any]:
     doc: _CommandModel = _validated(_CommandModel, dict(raw), "")
     if doc.format is not None and doc.format != FORMAT:
         raise _invalid(f"/format: must be {FORMAT!r} (or left out)", "/format")
-    name = _name(doc.name, "/name", "the command name", dots=True)
+    name = _name(doc.name, "/name", "the command name", dots=True, longest=SAGA_NAME_LENGTH)
     version = 1 if doc.version is None else doc.version
     if version not in (1, 2):
         raise _invalid("/version: must be 1 or 2", "/version")
@@ -771,9 +789,19 @@ def _shape(raw: Mapping[str, Any]) -> dict[str, Any]:
         path = f"/outbox/{index}"
         outbox.append(
             {
-                "name": _name(event_m.name, path + "/name", "an event name", dots=True),
-                "provider": _name(event_m.provider, path + "/provider", "a provider", dots=True),
-                "action": _name(event_m.action, path + "/action", "an action", dots=True),
+                "name": _name(
+                    event_m.name, path + "/name", "an event name", dots=True, longest=NAME_LENGTH
+                ),
+                "provider": _name(
+                    event_m.provider,
+                    path + "/provider",
+                    "a provider",
+                    dots=True,
+                    longest=NAME_LENGTH,
+                ),
+                "action": _name(
+                    event_m.action, path + "/action", "an action", dots=True, longest=NAME_LENGTH
+                ),
                 "payload": _payload(event_m.payload),
             }
         )
@@ -899,11 +927,13 @@ def _step(index: int, value: dict[str, Any]) -> dict[str, Any]:
     if model is None:
         raise _invalid(f"{path}/kind: must be one of 'query', 'assert', 'effect'", path + "/kind")
     step = _validated(model, value, path)
-    sname = _name(step.name, path + "/name", "a step name")
+    sname = _name(step.name, path + "/name", "a step name", longest=NAME_LENGTH)
     if isinstance(step, _AssertModel):
         return {"kind": "assert", "name": sname, "expr": step.expr, "message": step.message or ""}
-    provider = _name(step.provider, path + "/provider", "a provider", dots=True)
-    action = _name(step.action, path + "/action", "an action", dots=True)
+    provider = _name(
+        step.provider, path + "/provider", "a provider", dots=True, longest=NAME_LENGTH
+    )
+    action = _name(step.action, path + "/action", "an action", dots=True, longest=NAME_LENGTH)
     if isinstance(step, _QueryModel):
         cardinality: dict[str, Any] | None = None
         card = step.cardinality
@@ -925,7 +955,11 @@ def _step(index: int, value: dict[str, Any]) -> dict[str, Any]:
     compensation: dict[str, Any] | None = None
     if step.compensation is not None:
         comp_action = _name(
-            step.compensation.action, path + "/compensation/action", "an action", dots=True
+            step.compensation.action,
+            path + "/compensation/action",
+            "an action",
+            dots=True,
+            longest=NAME_LENGTH,
         )
         compensation = {"action": comp_action, "payload": _payload(step.compensation.payload)}
     return {
@@ -1409,7 +1443,10 @@ def normalize(
         raise _invalid(
             "/: unknown key 'dependency_contract' (the server builds it)", "/dependency_contract"
         )
-    data = _shape(raw)
+    # Numbers as PostgreSQL's JSONB stores them (a float of 1e16 or more as the integer it is,
+    # -0.0 as 0.0): the stored definition, its digest and what GET returns then agree on both
+    # backends, so sha256 of the GET definition is the digest (docs/commands.md).
+    data = _shape(jsonb_stable(raw))
     _check_providers(data, registry)
     data["dependency_contract"] = build_dependency_contract(data, registry, settings)
     return StoredCommand(data=data, digest=fingerprint(data))

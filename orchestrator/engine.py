@@ -35,9 +35,17 @@ from tenacity import (
 from ledger import definitions, effects, events, transactions
 from ledger.canonical import NotCanonicalizable, fingerprint
 from ledger.effects import Claim, EffectKind, NewEffect
-from ledger.errors import DuplicateKey, LeaseLost, SchemaOutdated, StorageError, StoreBusy
+from ledger.errors import (
+    DuplicateKey,
+    LeaseLost,
+    SchemaOutdated,
+    StorageError,
+    StoreBusy,
+    ValueNotStorable,
+)
 from ledger.events import LedgerEntry, LedgerProblem
 from ledger.ids import time_ordered_id
+from ledger.schema import BUSINESS_KEY_LENGTH, TX_ID_LENGTH
 from ledger.states import TX_TERMINAL, TxState
 from ledger.store import Chain, Store, Work
 from orchestrator import audit, expressions, keys
@@ -56,6 +64,7 @@ from orchestrator.errors import (
     TransactionNotFound,
     UnknownActionError,
     UnknownProviderError,
+    ValueNotStorableError,
 )
 from orchestrator.metrics import Metrics
 from orchestrator.saga import Saga, SagaDefinition
@@ -416,9 +425,10 @@ class Orchestrator:
         """What every start checks before it writes: the definition, the inputs, the business
         key, the transaction id and the keyed plan (payloads of input-only steps rendered)."""
         definition = await self._resolve(saga)
-        if tx_id is not None and not keys.is_identifier(tx_id):
+        if tx_id is not None and not (keys.is_identifier(tx_id) and len(tx_id) <= TX_ID_LENGTH):
             raise IdentifierInvalid(
-                "tx_id must be a non-blank identifier", details={"field": "tx_id"}
+                f"tx_id must be a non-blank identifier of at most {TX_ID_LENGTH} characters",
+                details={"field": "tx_id"},
             )
         clean = definition.validate_inputs(inputs)
         business_key = self._business_key(definition, clean)
@@ -477,6 +487,8 @@ class Orchestrator:
             return await self._existing(plan.tx_id, plan.inputs, plan.business_key)
         except StoreBusy as exc:
             raise LockConflict() from exc
+        except ValueNotStorable as exc:
+            raise ValueNotStorableError() from exc
         except StorageError as exc:
             raise StoreUnavailableError() from exc
         if start != "staged" and self.crashpoints.armed:
@@ -536,6 +548,8 @@ class Orchestrator:
                     first = await run._advance(work, eager=True)
         except StoreBusy as exc:
             raise LockConflict() from exc
+        except ValueNotStorable as exc:
+            raise ValueNotStorableError() from exc
         except StorageError as exc:
             raise StoreUnavailableError() from exc
         if run is None:
@@ -627,13 +641,10 @@ class Orchestrator:
             raise IdentifierInvalid(
                 "business key could not be rendered", details={"field": "business_key"}
             ) from exc
-        if (
-            not isinstance(value, str)
-            or not value.strip()
-            or len(value) > keys.BUSINESS_KEY_MAX_LENGTH
-        ):
+        if not isinstance(value, str) or not value.strip() or len(value) > BUSINESS_KEY_LENGTH:
             raise IdentifierInvalid(
-                "business key must be a non-blank string of at most 256 characters",
+                "business key must be a non-blank string of at most"
+                f" {BUSINESS_KEY_LENGTH} characters",
                 details={"field": "business_key"},
             )
         # Unique per tenant: another tenant's order with the same id (on a shared database) is

@@ -13,6 +13,7 @@
     ├── BusinessKeyConflict            business_key_conflict         409  execute  retryable
     ├── BusinessKeyCommitted           business_key_committed        409  execute
     ├── LockConflict                   command_lock_conflict         409  execute  retryable
+    ├── ValueNotStorableError          value_not_storable            400  execute
     ├── StoreUnavailableError          store_unavailable             503  execute  retryable
     ├── SchemaOutdatedError            schema_outdated               500  execute
     ├── TransactionNotFound            transaction_not_found         404  execute
@@ -137,6 +138,14 @@ _reg(
     409,
     "Concurrent write conflict (lock); please retry the request.",
     retryable=True,
+)
+# The database refused a value too long or too large for its column; each is meant to be
+# refused where it enters, so this only answers for a check that let one through.
+_reg(
+    "value_not_storable",
+    400,
+    "A value is too long or out of range for the database.",
+    phases=("author", "execute", "stage", "release"),
 )
 _reg("store_unavailable", 503, "The database is unavailable; please retry.", retryable=True)
 _reg("schema_outdated", 500, "The database schema needs `agent-txn db upgrade`.")
@@ -399,6 +408,14 @@ class LockConflict(AgentTxnError):
     """Lock contention outlasted the in-server retries; nothing partial landed."""
 
     code = "command_lock_conflict"
+
+
+class ValueNotStorableError(AgentTxnError):
+    """The database refused a value as too long or out of range for its column (a
+    :class:`ledger.errors.ValueNotStorable`); nothing was written, and the same value fails
+    again."""
+
+    code = "value_not_storable"
 
 
 class StoreUnavailableError(AgentTxnError):

@@ -53,6 +53,12 @@ non-empty segments. Hard ceilings (``limit_exceeded``): depth ``MAX_DEPTH`` (64)
 ceiling, so deep input raises :class:`ExpressionError`, never ``RecursionError``. Integer results
 wider than ``MAX_INT_BITS`` bits and non-finite float results are ``number_overflow``.
 
+Numbers come out as PostgreSQL's JSONB gives them back: a float of magnitude 1e16 or more, from
+arithmetic or copied by ``$ref`` (a query's or a step's result), is the integer it equals
+(``{"$mul": [1e8, 1e8]}`` is ``10000000000000000``), and ``-0.0`` is ``0.0``
+(:func:`ledger.canonical.jsonb_stable`). A rendered payload is fingerprinted before it is
+stored; rendered again from reloaded values it must give the same fingerprint.
+
 Counting rule (``measure``, and the ceilings above): every operator node counts 1 (its operand
 array, the ``$case`` ``branches``/branch objects and the ``$ref`` path string are part of it); every
 literal JSON value counts 1 (a literal array or object counts 1 plus its members, recursively; the
@@ -71,6 +77,8 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Final, cast
+
+from ledger.canonical import jsonb_stable
 
 __all__ = [
     "MAX_CASE_BRANCHES",
@@ -425,7 +433,7 @@ def _to_json(value: object, ref_path: str, path: str) -> object:
         elif isinstance(source, float):
             if not math.isfinite(source):
                 raise refuse("non-finite number")
-            result = float(source)
+            result = jsonb_stable(float(source))
         elif isinstance(source, Mapping):
             mapping = cast(Mapping[object, object], source)
             new_dict: dict[str, object] = {}
@@ -637,8 +645,10 @@ def _checked(name: str, step: _Arith, a: int | float, b: int | float, path: str)
         result = step(a, b)
     except OverflowError:
         result = math.inf
-    if isinstance(result, float) and not math.isfinite(result):
-        raise ExpressionError("number_overflow", f"{name} result is out of range", path)
+    if isinstance(result, float):
+        if not math.isfinite(result):
+            raise ExpressionError("number_overflow", f"{name} result is out of range", path)
+        result = jsonb_stable(result)
     if isinstance(result, int) and result.bit_length() > MAX_INT_BITS:
         raise ExpressionError(
             "number_overflow", f"{name} result is wider than {MAX_INT_BITS} bits", path
@@ -689,7 +699,8 @@ def _op_mod(arg: object, arg_path: str, path: str, scope: _Scope) -> object:
 
 
 def _op_neg(arg: object, arg_path: str, path: str, scope: _Scope) -> object:
-    return -_number(_eval(arg, arg_path, scope), "$neg", arg_path)
+    negated = -_number(_eval(arg, arg_path, scope), "$neg", arg_path)
+    return jsonb_stable(negated) if isinstance(negated, float) else negated  # -0.0 is 0.0
 
 
 def _op_len(arg: object, arg_path: str, path: str, scope: _Scope) -> object:

@@ -68,10 +68,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ledger.errors import StoreBusy, StoreUnavailable
+from ledger.errors import StoreBusy, StoreUnavailable, ValueNotStorable
 from orchestrator import authz, ops
 from orchestrator.authz import AuthSettings, Caller
-from orchestrator.commands import UNCHANGED, Outcome
+from orchestrator.commands import MAX_LIMIT, MAX_SKIP, UNCHANGED, Outcome
 from orchestrator.engine import Orchestrator
 from orchestrator.errors import (
     AgentTxnError,
@@ -79,6 +79,7 @@ from orchestrator.errors import (
     LockConflict,
     PrincipalNotAuthorized,
     StoreUnavailableError,
+    ValueNotStorableError,
     envelope,
 )
 
@@ -508,8 +509,10 @@ RoomId = Annotated[
     str,
     Query(min_length=1, max_length=MAX_ID_LENGTH, pattern=ID_PATTERN, description="Room id."),
 ]
-Skip = Annotated[int, Query(ge=0, description="Records to skip (newest first).")]
-Limit = Annotated[int, Query(ge=1, le=200, description="Records to return (1-200).")]
+Skip = Annotated[
+    int, Query(ge=0, le=MAX_SKIP, description=f"Records to skip, newest first (0-{MAX_SKIP}).")
+]
+Limit = Annotated[int, Query(ge=1, le=MAX_LIMIT, description=f"Records to return (1-{MAX_LIMIT}).")]
 
 
 # -- errors -------------------------------------------------------------------------------------
@@ -582,6 +585,9 @@ class _GuardedRoute(APIRoute):
                 return error_response(StoreUnavailableError(), phase)
             except StoreBusy:
                 return error_response(LockConflict(), phase)
+            except ValueNotStorable:
+                log.warning("http.value_not_storable", method=request.method, route=self.path)
+                return error_response(ValueNotStorableError(), phase)
             except Exception:
                 log.exception("http.unexpected_error", method=request.method, route=self.path)
                 return _internal_error(phase)

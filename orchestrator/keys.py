@@ -41,10 +41,6 @@ def event_key(
     return _derive("outbox", tenant, environment, provider, tx_id, event, version)
 
 
-#: The longest business key a command may render (``Orchestrator._business_key``).
-BUSINESS_KEY_MAX_LENGTH = 256
-
-
 def tenant_business_key(tenant: str, key: str) -> str:
     """The stored form of ``key`` rendered in ``tenant``: ``{tenant}/{key}``.
 
@@ -55,7 +51,7 @@ def tenant_business_key(tenant: str, key: str) -> str:
     always ends the tenant and two (tenant, key) pairs never share a stored key. Migration 0009
     wrote the keys stored before it in this form with the same escaping. At most 557
     characters (:data:`ledger.schema.STORED_BUSINESS_KEY_LENGTH`): a tenant of 100 characters
-    all escaped, the ``/`` and a key of :data:`BUSINESS_KEY_MAX_LENGTH`."""
+    all escaped, the ``/`` and a key of :data:`ledger.schema.BUSINESS_KEY_LENGTH`."""
     escaped = tenant.replace("%", "%25").replace("/", "%2F")
     return f"{escaped}/{key}"
 

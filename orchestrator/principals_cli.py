@@ -27,6 +27,7 @@ import typer
 from rich.markup import escape
 
 from ledger import principals as repo
+from ledger.schema import NAME_LENGTH, SAGA_NAME_LENGTH, TENANT_LENGTH
 from ledger.store import Store
 from orchestrator.authz import MIN_HS256_SECRET_BYTES, hash_api_key
 
@@ -158,8 +159,8 @@ def add(
 ) -> None:
     """Create a principal (verified unless --unverified)."""
     checked_text(principal_id, "PRINCIPAL_ID", 64)
-    checked_text(tenant, "--tenant", 100)
-    checked_text(name, "--name", 200)
+    checked_text(tenant, "--tenant", TENANT_LENGTH)
+    checked_text(name, "--name", SAGA_NAME_LENGTH)
     key = generate_api_key() if api_key else None
 
     async def job(store: Store) -> None:
@@ -212,7 +213,7 @@ def list_(
 ) -> None:
     """Every principal with its flags, grants and rooms."""
     if tenant is not None:
-        checked_text(tenant, "--tenant", 100)  # as add refuses it: '' would list nothing
+        checked_text(tenant, "--tenant", TENANT_LENGTH)  # as add refuses it: '' would list nothing
 
     async def job(
         store: Store,
@@ -343,8 +344,8 @@ def grant(
     db: DbOption = DEFAULT_DB,
 ) -> None:
     """Grant a permission on a provider action (granting again replaces cap and fields)."""
-    checked_text(provider, "PROVIDER", 100)
-    checked_text(action, "ACTION", 100)
+    checked_text(provider, "PROVIDER", NAME_LENGTH)
+    checked_text(action, "ACTION", NAME_LENGTH)
     for field in readable or ():
         checked_text(field, "--readable", 100)  # an empty or space-padded name was stored as given
     if amount_field is not None:

@@ -36,7 +36,14 @@ from typing import Any, Final
 from pydantic import ConfigDict, ValidationError, create_model
 from pydantic import Field as PydField
 
-from ledger.canonical import NotCanonicalizable, canonical_json, fingerprint, unstorable_text
+from ledger.canonical import (
+    NotCanonicalizable,
+    canonical_json,
+    fingerprint,
+    jsonb_stable,
+    unstorable_text,
+)
+from ledger.schema import NAME_LENGTH, SAGA_NAME_LENGTH
 from orchestrator import expressions
 from orchestrator.errors import DefinitionInvalid, InputInvalid
 from orchestrator.keys import is_identifier
@@ -179,6 +186,14 @@ class Saga:
         return SagaDefinition.parse(raw).data
 
 
+def is_name(value: object, longest: int = NAME_LENGTH) -> bool:
+    """An identifier that fits the column it is stored in: a step's, an event's, a provider's
+    or an action's name (``longest`` another column's width). Checked here, when the definition
+    is authored, because PostgreSQL refuses a longer value only when the saga first writes it,
+    after effects may have been sent; SQLite stores it anyway."""
+    return isinstance(value, str) and is_identifier(value) and len(value) <= longest
+
+
 def _invalid(reason: str, step: str | None = None) -> DefinitionInvalid:
     details: dict[str, Any] = {"reason": reason}
     if step is not None:
@@ -287,8 +302,10 @@ class SagaDefinition:
         if not isinstance(raw, Mapping) or raw.get("format") != FORMAT:
             raise _invalid(f"format must be {FORMAT!r}")
         name = raw.get("name")
-        if not is_identifier(name):
-            raise _invalid("name must be a non-blank identifier")
+        if not is_name(name, SAGA_NAME_LENGTH):
+            raise _invalid(
+                f"name must be a non-blank identifier of at most {SAGA_NAME_LENGTH} characters"
+            )
         version = raw.get("version")
         if not isinstance(version, int) or isinstance(version, bool) or version < 1:
             raise _invalid("version must be a positive integer")
@@ -308,18 +325,29 @@ class SagaDefinition:
             if not isinstance(s, Mapping):
                 raise _invalid("each step must be an object")
             sname = s.get("name")
-            if not is_identifier(sname) or "." in str(sname):
-                raise _invalid("step names must be non-blank identifiers without dots")
+            if not is_name(sname) or "." in str(sname):
+                raise _invalid(
+                    "step names must be non-blank identifiers without dots"
+                    f" of at most {NAME_LENGTH} characters"
+                )
             if sname in seen:
                 raise _invalid(f"step {sname!r} appears twice", str(sname))
             for attr in ("provider", "action"):
-                if not is_identifier(s.get(attr)):
-                    raise _invalid(f"step {sname!r}: {attr} must be a non-blank name", str(sname))
+                if not is_name(s.get(attr)):
+                    raise _invalid(
+                        f"step {sname!r}: {attr} must be a non-blank name"
+                        f" of at most {NAME_LENGTH} characters",
+                        str(sname),
+                    )
             _check_refs(s.get("payload"), _ROOTS, seen, f"step {sname!r}")
             comp = s.get("compensation")
             if comp is not None:
-                if not isinstance(comp, Mapping) or not is_identifier(comp.get("action")):
-                    raise _invalid(f"step {sname!r}: compensation needs an action", str(sname))
+                if not isinstance(comp, Mapping) or not is_name(comp.get("action")):
+                    raise _invalid(
+                        f"step {sname!r}: compensation needs an action"
+                        f" of at most {NAME_LENGTH} characters",
+                        str(sname),
+                    )
                 _check_refs(
                     comp.get("payload"),
                     _ROOTS | {"forward"},
@@ -333,14 +361,19 @@ class SagaDefinition:
             _check_refs(c.get("expr"), _ROOTS, seen, f"check {c['name']!r}")
         events: set[str] = set()
         for e in raw.get("outbox", []):
-            if not isinstance(e, Mapping) or not is_identifier(e.get("name")):
-                raise _invalid("each outbox event needs a name")
+            if not isinstance(e, Mapping) or not is_name(e.get("name")):
+                raise _invalid(
+                    f"each outbox event needs a name of at most {NAME_LENGTH} characters"
+                )
             if e["name"] in events:
                 raise _invalid(f"outbox event {e['name']!r} appears twice")
             events.add(str(e["name"]))
             for attr in ("provider", "action"):
-                if not is_identifier(e.get(attr)):
-                    raise _invalid(f"outbox event {e['name']!r}: {attr} must be a non-blank name")
+                if not is_name(e.get(attr)):
+                    raise _invalid(
+                        f"outbox event {e['name']!r}: {attr} must be a non-blank name"
+                        f" of at most {NAME_LENGTH} characters"
+                    )
             _check_refs(e.get("payload"), _ROOTS, seen, f"event {e['name']!r}")
         asserts = _parse_asserts(raw.get("asserts", []), [str(s["name"]) for s in steps])
         if raw.get("result") is not None:
@@ -404,18 +437,32 @@ class SagaDefinition:
                 details={"errors": [{"field": "", "problem": "NUL or unpaired surrogate"}]}
             )
         try:
-            canonical_json(out)
+            text = canonical_json(out)
         except NotCanonicalizable:
             raise InputInvalid(
                 details={"errors": [{"field": "", "problem": "not plain JSON"}]}
             ) from None
-        return out
+        # Numbers as PostgreSQL's JSONB gives them back (a float of 1e16 or more as the integer
+        # it is, -0.0 as 0.0), before the inputs are fingerprinted or stored: otherwise a replay
+        # or a confirmed plan compares the float with its reloaded integer and finds them apart.
+        return jsonb_stable(out) if _may_be_unstable(text) else out
+
+
+def _may_be_unstable(text: str) -> bool:
+    """Whether canonical JSON ``text`` may hold a number :func:`jsonb_stable` changes: Python
+    writes a float of 1e16 or more with ``e+`` and a negative zero as ``-0.0`` (a string that
+    holds either only costs the walk)."""
+    return "e+" in text or "-0.0" in text
 
 
 def _round_trip(data: Any) -> Any:
+    """``data`` as plain JSON, its numbers as JSONB gives them back (the definition is stored
+    in a JSONB column, and its digest must match the reloaded definition's)."""
     import json
 
-    return json.loads(canonical_json(data))
+    text = canonical_json(data)
+    plain = json.loads(text)
+    return jsonb_stable(plain) if _may_be_unstable(text) else plain
 
 
 @functools.lru_cache(maxsize=256)

@@ -123,6 +123,26 @@ async def test_prepare_confirm_replay_and_deliver_over_rest(api: Api) -> None:
     assert by_id.json() == {"released": True}
 
 
+async def test_a_plan_with_a_big_float_input_runs_once_confirmed_on_both_backends(
+    api: Api,
+) -> None:
+    """A staged plan is reloaded from the database when it is confirmed; PostgreSQL's JSONB
+    gives ``1e16`` back as an integer, and the plan's fingerprints were taken in that form, so
+    it runs instead of parking in manual review as a payload mismatch."""
+    await api.add_user("alice", rooms=[ROOM])
+    command = order_command()
+    command["inputs"]["weight"] = {"type": "number"}
+    command["steps"][0]["payload"]["for"] = {"$ref": "inputs.weight"}
+    command_id = str((await api.create("alice", command))["command_id"])
+    staged = await _prepare(api, command_id, {**order_inputs(), "weight": 1e16})
+    token = staged["confirmation_token"]
+    first = await _tool(api, "execute", token)
+    assert first["status"] == "succeeded", first
+    again = await _prepare(api, command_id, {**order_inputs(), "weight": 1e16})
+    assert await _tool(api, "execute", again["confirmation_token"]) == first
+    assert await _charges(api) == 1
+
+
 async def test_forged_and_foreign_tokens_are_confirmation_invalid(api: Api) -> None:
     command_id = await _setup(api)
     await api.add_user("mallory", rooms=[ROOM])

@@ -11,14 +11,19 @@ do not exist or fail unexpectedly.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import time
 from typing import Any
 
 import jwt
 import pytest
+from sqlalchemy import select
 
 from ledger import action_settings
-from ledger.errors import StoreUnavailable
+from ledger.errors import StoreUnavailable, ValueNotStorable
+from ledger.schema import NAME_LENGTH, operations, outbox
+from orchestrator.commands import MAX_SKIP
 from orchestrator.errors import REGISTRY, envelope
 from providers.fake.faults import FaultKind, FaultRule
 from tests.api.conftest import SECRET, Api, bearer, order_inputs, token
@@ -122,6 +127,109 @@ async def test_an_invalid_definition_is_a_400_envelope_in_the_author_phase(api: 
     detail = _error(response.json())
     assert detail["phase"] == "author"
     assert REGISTRY[detail["error"]].http_status == 400
+
+
+def _with_names(*, step: str = "charge", event: str = "receipt") -> dict[str, Any]:
+    """The order command with its charge step and its outbox event renamed."""
+    command = order_command()
+    command["steps"][1]["name"] = step
+    command["outbox"][0]["name"] = event
+    command["outbox"][0]["payload"]["charge"] = {"$ref": f"steps.{step}.remote_id"}
+    command["result"] = {"charge": {"$ref": f"steps.{step}.remote_id"}}
+    return command
+
+
+@pytest.mark.parametrize(
+    ("names", "pointer"),
+    [
+        ({"event": "o" * (NAME_LENGTH + 1)}, "/outbox/0/name"),
+        ({"step": "c" * (NAME_LENGTH + 1)}, "/steps/1/name"),
+    ],
+)
+async def test_a_name_wider_than_its_column_is_refused_at_authoring(
+    api: Api, names: dict[str, str], pointer: str
+) -> None:
+    """A step or outbox name is first written when an execution starts; PostgreSQL refused one
+    wider than its column then (a 500 after the charge was sent, retried for ever), so authoring
+    refuses it, on both backends alike."""
+    await api.add_user("alice")
+    before = await api.counts()
+    response = await api.client.post(
+        "/v1/commands", json={"definition": _with_names(**names)}, headers=bearer("alice")
+    )
+    assert response.status_code == 400, response.text
+    detail = _error(response.json())
+    assert detail["error"] == "saga_definition_invalid"
+    assert detail["path"] == pointer
+    assert f"at most {NAME_LENGTH} characters" in detail["details"]["reason"]
+    assert await api.counts() == before
+
+
+async def test_names_as_wide_as_their_columns_execute_on_both_backends(api: Api) -> None:
+    await api.add_user("alice")
+    names = {"step": "c" * NAME_LENGTH, "event": "o" * NAME_LENGTH}
+    command = await api.create("alice", _with_names(**names))
+    response = await api.execute("alice", command["command_id"])
+    assert response.status_code == 200, response.text
+    assert response.json()["status"] == "succeeded"
+    assert (await api.shop.counts())["payments.charge"] == 1
+    async with api.orch.store.read() as conn:
+        steps = (await conn.execute(select(operations.c.step))).scalars().all()
+        kinds = (await conn.execute(select(outbox.c.kind))).scalars().all()
+    assert sorted(steps) == sorted(["reserve", names["step"]]) and kinds == [names["event"]]
+
+
+def _weighed_order() -> dict[str, Any]:
+    """The order command with a number input and a cap whose bound JSONB would rewrite."""
+    command = order_command(name="weighed")
+    command["inputs"]["weight"] = {"type": "number"}
+    command["caps"] = [{"name": "big", "value": {"$ref": "inputs.amount"}, "max": 1e20}]
+    return command
+
+
+async def test_a_big_float_in_a_definition_keeps_the_digest_recipe_on_both_backends(
+    api: Api,
+) -> None:
+    """PostgreSQL's JSONB gives ``1e20`` back as ``100000000000000000000``: the definition is
+    stored in that form on both backends, so sha256 of the GET definition is its digest, and
+    that digest is accepted as ``expected_contract_digest``."""
+    await api.add_user("alice")
+    created = await api.create("alice", _weighed_order())
+    got = await api.client.get(f"/v1/commands/{created['command_id']}", headers=bearer("alice"))
+    definition = got.json()["definition"]
+    assert definition["caps"][0]["max"] == 10**20 and type(definition["caps"][0]["max"]) is int
+    recipe = json.dumps(definition, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    digest = hashlib.sha256(recipe.encode()).hexdigest()
+    assert digest == got.json()["digest"] == created["digest"]
+    response = await api.execute(
+        "alice",
+        created["command_id"],
+        {**order_inputs(), "weight": 1},
+        expected_contract_digest=digest,
+    )
+    assert response.status_code == 200, response.text
+
+
+async def test_a_replay_with_a_big_float_input_is_the_same_request_on_both_backends(
+    api: Api,
+) -> None:
+    """The stored input snapshot comes back from JSONB with ``1e16`` as an integer; the replay
+    of the identical request still matches it, and nothing is sent twice."""
+    await api.add_user("alice")
+    command_id = (await api.create("alice", _weighed_order()))["command_id"]
+    inputs = {**order_inputs(), "weight": 1e16}
+    first = await api.execute("alice", command_id, inputs, idempotency_key="k-1e16")
+    assert first.status_code == 200, first.text
+    replay = await api.execute("alice", command_id, inputs, idempotency_key="k-1e16")
+    assert replay.status_code == 200, replay.text
+    assert replay.headers.get("idempotent-replayed") == "true"
+    assert replay.json() == first.json()
+    assert (await api.shop.counts())["payments.charge"] == 1
+    other = await api.execute(
+        "alice", command_id, {**inputs, "weight": 2e16}, idempotency_key="k-1e16"
+    )
+    assert other.status_code == 409
+    assert _error(other.json())["error"] == "idempotency_payload_mismatch"
 
 
 # -- execute ------------------------------------------------------------------------------------
@@ -357,10 +465,14 @@ async def test_executions_are_listed_newest_first_and_paged(api: Api) -> None:
     assert [e["execution_id"] for e in page.json()] == [ids[1]]
     edge = await api.client.get(url, params={"skip": 0, "limit": 200}, headers=bearer("alice"))
     assert edge.status_code == 200 and len(edge.json()) == 3
+    last = await api.client.get(url, params={"skip": MAX_SKIP}, headers=bearer("alice"))
+    assert last.status_code == 200 and last.json() == []
     for params, field in (
         ({"limit": 0}, "query.limit"),
         ({"limit": 201}, "query.limit"),
         ({"skip": -1}, "query.skip"),
+        ({"skip": MAX_SKIP + 1}, "query.skip"),
+        ({"skip": 2**63}, "query.skip"),  # past int64: was a 500 from the database driver
         ({"limit": "ten"}, "query.limit"),
     ):
         refused = await api.client.get(url, params=params, headers=bearer("alice"))
@@ -384,7 +496,9 @@ async def test_commands_are_listed_newest_first_and_paged(api: Api) -> None:
         )
         assert page.status_code == 200
         assert page.json() == everything.json()[skip : skip + limit], (skip, limit)
-    for params in ({"limit": 0}, {"limit": 201}, {"skip": -1}):
+    last = await api.client.get("/v1/commands", params={"skip": MAX_SKIP}, headers=bearer("alice"))
+    assert last.status_code == 200 and last.json() == []
+    for params in ({"limit": 0}, {"limit": 201}, {"skip": -1}, {"skip": 2**63}):
         refused = await api.client.get("/v1/commands", params=params, headers=bearer("alice"))
         assert refused.status_code == 422, params
         assert _error(refused.json())["error"] == "request_invalid"
@@ -566,6 +680,22 @@ async def test_a_lost_database_is_a_retryable_503_without_its_text(
     assert response.json() == {"detail": envelope("store_unavailable", phase="author")}
     assert response.json()["detail"]["retryable"] is True
     assert "db.internal" not in response.text
+
+
+async def test_a_value_the_database_refuses_is_a_closed_400(
+    api: Api, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await api.add_user("alice")
+
+    async def refused(*args: Any, **kwargs: Any) -> Any:
+        raise ValueNotStorable("database refused a value (22001: string too long for its column)")
+
+    monkeypatch.setattr(api.orch.commands, "list", refused)
+    response = await api.client.get("/v1/commands", headers=bearer("alice"))
+    assert response.status_code == 400
+    assert response.json() == {"detail": envelope("value_not_storable", phase="author")}
+    assert response.json()["detail"]["retryable"] is False
+    assert "22001" not in response.text
 
 
 async def test_healthz_needs_no_credentials_and_openapi_is_published(api: Api) -> None:

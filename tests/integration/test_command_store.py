@@ -27,7 +27,8 @@ from ledger import (
     reservations,
     schema,
 )
-from ledger.errors import StorageError
+from ledger.canonical import canonical_json, jsonb_stable
+from ledger.errors import StorageError, ValueNotStorable
 from ledger.store import Store
 
 if TYPE_CHECKING:
@@ -748,3 +749,47 @@ async def test_repositories_write_no_ledger_rows(store: Store) -> None:
         await commands.soft_delete(work, "c1")
     async with store.read() as conn:
         assert await conn.scalar(select(func.count()).select_from(schema.ledger)) == 0
+
+
+# -- values the database refuses ----------------------------------------------------------------
+
+
+async def test_a_value_the_database_refuses_is_value_not_storable(store: Store) -> None:
+    """The safety net under the checks where values enter: a string wider than its column
+    (PostgreSQL refuses it, SQLite stores it) or an integer past 64 bits (both refuse it) is
+    a ``ValueNotStorable`` that quotes no value, never the driver's own error."""
+    wide = "a" * (schema.NAME_LENGTH + 1)
+    if store.dialect == "postgresql":
+        with pytest.raises(ValueNotStorable) as refused:
+            async with store.transaction() as work:
+                await action_settings.put(
+                    work, "p", wide, requires_approval=True, approval_policy=None
+                )
+        assert str(refused.value) == (
+            "database refused a value (22001: string too long for its column)"
+        )
+        assert wide not in str(refused.value)
+    with pytest.raises(ValueNotStorable):
+        async with store.read() as conn:
+            await executions.list_(conn, command_id="c1", skip=2**63)
+
+
+_NUMBERS = [1e16, -1e16, 1.5e300, 1.2345678901234567e20, 9.5e15, 1e15, 0.1 + 0.2, 1e-7, -0.0, 0.0]
+
+
+async def test_jsonb_stable_numbers_read_back_as_they_were_written(store: Store) -> None:
+    """What :func:`ledger.canonical.jsonb_stable` makes of a number is what a JSON column gives
+    back for it, on both backends: fingerprints taken before a write match those taken after
+    a read. Unchanged, PostgreSQL's JSONB gives a float of 1e16 or more back as an integer and
+    -0.0 as 0.0, so those fingerprints differ."""
+    value = {"numbers": _NUMBERS}
+    async with store.transaction() as work:
+        await action_settings.put(
+            work, "p", "a", requires_approval=True, approval_policy=jsonb_stable(value)
+        )
+    async with store.read() as conn:
+        row = await action_settings.get(conn, "p", "a")
+    assert row is not None
+    assert canonical_json(row.approval_policy) == canonical_json(jsonb_stable(value))
+    if store.dialect == "postgresql":
+        assert canonical_json(row.approval_policy) != canonical_json(value)

@@ -6,6 +6,7 @@ import asyncio
 import io
 import json
 import uuid
+from decimal import Decimal
 from typing import Any
 
 import pytest
@@ -13,13 +14,20 @@ import structlog
 from sqlalchemy import func, select, text
 
 from fault_injection.bench import UNGROUPED_COMMITS_PER_SAGA
+from ledger.schema import (
+    NAME_LENGTH,
+    SAGA_NAME_LENGTH,
+    TX_ID_LENGTH,
+    operations,
+    outbox,
+    transactions,
+)
 from ledger.schema import ledger as ledger_table
-from ledger.schema import operations, outbox, transactions
 from ledger.states import EffectState, TxState
 from orchestrator import errors
-from orchestrator.expressions import ref
+from orchestrator.expressions import mul, neg, ref
 from orchestrator.logging import configure_logging, info_enabled
-from orchestrator.saga import Saga, Step
+from orchestrator.saga import Event, Input, Saga, Step
 from tests.support.sagas import order, order_saga
 from tests.support.world import World
 
@@ -198,6 +206,8 @@ BAD_INPUTS: list[tuple[str, Any, dict[str, Any], type[errors.AgentTxnError]]] = 
     ("not an object", None, ["x"], errors.InputInvalid),
     ("empty tx id", "", order("1"), errors.IdentifierInvalid),
     ("blank tx id", "   ", order("1"), errors.IdentifierInvalid),
+    # transactions.tx_id is 64 wide: PostgreSQL refused a longer id mid-write (SQLite kept it)
+    ("tx id longer than its column", "t" * 65, order("1"), errors.IdentifierInvalid),
     (
         "blank business key",
         None,
@@ -255,6 +265,18 @@ def _saga(**step: Any) -> Saga:
         (lambda: _saga(action="nope"), errors.UnknownActionError),
         (lambda: _saga(name=""), errors.DefinitionInvalid),
         (lambda: _saga(provider=" "), errors.DefinitionInvalid),
+        # names wider than the columns that hold them (operations.step, provider, action)
+        (lambda: _saga(name="s" * 101), errors.DefinitionInvalid),
+        (lambda: _saga(provider="p" * 101), errors.DefinitionInvalid),
+        (lambda: _saga(action="a" * 101), errors.DefinitionInvalid),
+        (
+            lambda: Saga(
+                "bad",
+                steps=_saga().steps,
+                outbox=[Event("e" * 101, "email", "send", {"to": "a@b.c", "template": "t"})],
+            ),
+            errors.DefinitionInvalid,
+        ),
         (lambda: _saga(payload={"$nope": 1}), errors.DefinitionInvalid),
         (lambda: _saga(payload={"to": ref("steps.later.remote_id")}), errors.DefinitionInvalid),
         (lambda: _saga(payload={"x": float("nan")}), errors.DefinitionInvalid),
@@ -271,6 +293,46 @@ def _saga(**step: Any) -> Saga:
 async def test_bad_saga_is_refused_at_registration(world: World, saga: Any, error: type) -> None:
     with pytest.raises(error):
         await world.orch.register(saga())
+    assert await world.shop.calls() == []
+
+
+async def test_names_and_ids_as_wide_as_their_columns_run_on_both_backends(
+    world: World,
+) -> None:
+    """The authoring limits are the columns' widths: the longest names and tx id they let
+    through are stored and run to the end on PostgreSQL too, which refuses anything wider."""
+    step, event = "s" * NAME_LENGTH, "e" * NAME_LENGTH
+    saga = Saga(
+        "w" * SAGA_NAME_LENGTH,
+        steps=[Step(step, "email", "send", {"to": "a@b.c", "template": "t"})],
+        outbox=[Event(event, "email", "send", {"to": "a@b.c", "template": "r"})],
+    )
+    tx_id = "t" * TX_ID_LENGTH
+    result = await world.orch.execute(saga, {}, tx_id=tx_id)
+    assert result.status == TxState.COMMITTED
+    async with world.orch.store.read() as conn:
+        steps = (await conn.execute(select(operations.c.step))).scalars().all()
+        kinds = (await conn.execute(select(outbox.c.kind))).scalars().all()
+    assert steps == [step] and kinds == [event]
+
+
+async def test_an_id_wider_than_its_column_that_slips_past_the_check_is_a_clean_refusal(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The safety net under the checks: were the tx id check looser than the column,
+    PostgreSQL's refusal of the write reaches the caller as ``value_not_storable``, with
+    nothing written and no effect sent (SQLite stores the id: it ignores VARCHAR widths)."""
+    monkeypatch.setattr("orchestrator.engine.TX_ID_LENGTH", 200)
+    before = await _row_counts(world)
+    tx_id = "t" * (TX_ID_LENGTH + 1)
+    if world.orch.store.dialect != "postgresql":
+        result = await world.orch.execute(order_saga(), order("1"), tx_id=tx_id)
+        assert result.status is TxState.COMMITTED
+        return
+    with pytest.raises(errors.ValueNotStorableError) as refused:
+        await world.orch.execute(order_saga(), order("1"), tx_id=tx_id)
+    assert refused.value.envelope()["error"] == "value_not_storable"
+    assert await _row_counts(world) == before
     assert await world.shop.calls() == []
 
 
@@ -394,3 +456,56 @@ async def test_per_effect_events_are_logged_with_their_context_only_when_info_is
     assert [e["event"] for e in applies] == expected
     for e in applies:
         assert e["tx_id"] == result.tx_id and e["op_key"] and e["outcome"] == "Confirmed"
+
+
+# -- numbers JSONB rewrites ---------------------------------------------------------------------
+
+
+def _weighed() -> Saga:
+    """A saga whose payload carries a number input as sent and a product of floats."""
+    weight = ref("inputs.weight")
+    return Saga(
+        "weighed",
+        inputs={"weight": Input("number")},
+        steps=[
+            Step(
+                "note",
+                "email",
+                "send",
+                {
+                    "to": "a@b.c",
+                    "template": "t",
+                    "charge": {"as_sent": weight, "product": mul(weight, 1e8), "neg": neg(0.0)},
+                },
+            )
+        ],
+    )
+
+
+@pytest.mark.parametrize("weight", [1e16, 1e8, -2.5e200, -0.0])
+async def test_a_number_jsonb_rewrites_runs_a_staged_plan_and_replays_on_both_backends(
+    world: World, weight: float
+) -> None:
+    """PostgreSQL's JSONB gives a float of 1e16 or more back as an integer (and -0.0 as 0.0);
+    the inputs and every rendered payload are taken in that form before they are fingerprinted,
+    so a staged plan runs after its reload instead of parking as a payload mismatch, and the
+    same tx id with the same inputs is the same intent."""
+    tx_id = await world.orch.stage(_weighed(), {"weight": weight})
+    staged = await world.orch.execute_staged(tx_id)
+    assert staged.status is TxState.COMMITTED, staged
+    first = await world.orch.execute(_weighed(), {"weight": weight}, tx_id="weighed-1")
+    assert first.status is TxState.COMMITTED
+    again = await world.orch.execute(_weighed(), {"weight": weight}, tx_id="weighed-1")
+    assert again.status is TxState.COMMITTED
+    assert len(await world.shop.calls()) == 2  # one send per intent, none for the replay
+    async with world.orch.store.read() as conn:
+        payloads = (await conn.execute(select(operations.c.payload))).scalars().all()
+    for payload in payloads:
+        sent = payload["charge"]
+        assert sent["neg"] == 0.0 and str(sent["neg"]) == "0.0"
+        if abs(weight) >= 1e16:
+            # the integer the float is written as (what JSONB keeps): the same double
+            assert type(sent["as_sent"]) is int and float(sent["as_sent"]) == weight
+            assert sent["as_sent"] == int(Decimal(repr(weight)))
+        if abs(weight) * 1e8 >= 1e16:
+            assert type(sent["product"]) is int

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from ledger.schema import STORED_BUSINESS_KEY_LENGTH
+from ledger.schema import BUSINESS_KEY_LENGTH, STORED_BUSINESS_KEY_LENGTH, TENANT_LENGTH
 from orchestrator.keys import (
-    BUSINESS_KEY_MAX_LENGTH,
     rendered_business_key,
     tenant_business_key,
 )
@@ -33,7 +32,7 @@ def test_different_pairs_never_share_a_stored_key(
 
 
 def test_the_longest_stored_key_fits_its_column() -> None:
-    longest = tenant_business_key("/" * 100, "k" * BUSINESS_KEY_MAX_LENGTH)
+    longest = tenant_business_key("/" * TENANT_LENGTH, "k" * BUSINESS_KEY_LENGTH)
     assert len(longest) == STORED_BUSINESS_KEY_LENGTH
 
 

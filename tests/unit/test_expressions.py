@@ -5,13 +5,13 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ledger.canonical import canonical_json
+from ledger.canonical import canonical_json, jsonb_stable
 from orchestrator import expressions as ex
 from orchestrator.expressions import (
     MAX_CASE_BRANCHES,
@@ -392,6 +392,40 @@ def test_number_overflow() -> None:
     assert e.path == "/x/$mul"
 
 
+@pytest.mark.parametrize("prevalidated", [False, True])
+def test_numbers_come_out_as_jsonb_gives_them_back(prevalidated: bool) -> None:
+    """A float of 1e16 or more, made by arithmetic or copied by a reference, is the integer it
+    is written as, and -0.0 is 0.0: PostgreSQL's JSONB gives them back so, and a payload is
+    fingerprinted before it is stored and again after it is read."""
+    scope = {"w": 1e16, "z": -0.0, "r": {"deep": [2.5e20, 1.5]}}
+    template = {
+        "product": {"$mul": [1e8, 1e8]},
+        "sum": {"$add": [9e15, 9e15]},
+        "quotient": {"$div": [1e17, 2.0]},
+        "negated": {"$neg": 0.0},
+        "copied": {"$ref": "w"},
+        "zero": {"$ref": "z"},
+        "whole": {"$ref": "r"},
+        "small": {"$mul": [1e7, 1e8]},
+    }
+    out = cast(dict[str, Any], evaluate(template, scope, prevalidated=prevalidated))
+    assert out == {
+        "product": 10**16,
+        "sum": 18 * 10**15,
+        "quotient": 5 * 10**16,
+        "negated": 0.0,
+        "copied": 10**16,
+        "zero": 0.0,
+        "whole": {"deep": [25 * 10**19, 1.5]},
+        "small": 1e15,
+    }
+    assert canonical_json(out) == (
+        '{"copied":10000000000000000,"negated":0.0,"product":10000000000000000,'
+        '"quotient":50000000000000000,"small":1000000000000000.0,"sum":18000000000000000,'
+        '"whole":{"deep":[250000000000000000000,1.5]},"zero":0.0}'
+    )
+
+
 # --------------------------------------------------------------------------------------------
 # $len, $concat, $in
 
@@ -752,8 +786,10 @@ def test_rendering_expression_free_json_is_identity(value: object) -> None:
 
 @given(json_values)
 def test_literal_and_ref_round_trip_any_json(value: object) -> None:
-    assert canonical_json(evaluate(lit(value), {})) == canonical_json(value)
-    assert canonical_json(evaluate(ref("v"), {"v": value})) == canonical_json(value)
+    # Numbers come out as JSONB gives them back (test_numbers_come_out_as_jsonb_gives_them_back).
+    stable = canonical_json(jsonb_stable(value))
+    assert canonical_json(evaluate(lit(value), {})) == stable
+    assert canonical_json(evaluate(ref("v"), {"v": value})) == stable
 
 
 @given(json_values)

@@ -9,7 +9,7 @@ import pytest
 from sqlalchemy.exc import DBAPIError
 
 from ledger.dialects import translate
-from ledger.errors import StoreUnavailable
+from ledger.errors import StoreUnavailable, ValueNotStorable
 
 
 class _ServerError(Exception):
@@ -40,6 +40,33 @@ def test_a_refusal_while_connecting_names_its_reason() -> None:
 
 
 def test_an_error_of_another_class_is_not_taken_for_a_shortage() -> None:
-    wrapped = DBAPIError("SELECT 1/0", {}, _ServerError("division by zero", "22012"))
+    wrapped = DBAPIError("SELEC 1", {}, _ServerError("syntax error", "42601"))
     assert translate(wrapped) is None
-    assert translate(_ServerError("division by zero", "22012")) is None
+    assert translate(_ServerError("syntax error", "42601")) is None
+
+
+@pytest.mark.parametrize(
+    ("sqlstate", "reason"),
+    [
+        ("22001", "string too long for its column"),
+        ("22003", "number out of its column's range"),
+        ("22012", "data exception"),
+    ],
+)
+def test_a_data_exception_is_a_value_not_storable_without_the_value(
+    sqlstate: str, reason: str
+) -> None:
+    """PostgreSQL's class 22: the value has no place in its column. Not retryable (the same
+    value fails again) and not a lost database; the driver's text, which may quote the value,
+    stays out."""
+    text = "value too long for type character varying(100): 'secret-ish'"
+    wrapped = DBAPIError("INSERT INTO outbox ...", {}, _ServerError(text, sqlstate))
+    translated = translate(wrapped)
+    assert isinstance(translated, ValueNotStorable) and not translated.retryable
+    assert str(translated) == f"database refused a value ({sqlstate}: {reason})"
+
+
+def test_an_integer_sqlite_cannot_bind_is_a_value_not_storable() -> None:
+    translated = translate(OverflowError("Python int too large to convert to SQLite INTEGER"))
+    assert isinstance(translated, ValueNotStorable)
+    assert translate(OverflowError("int too large to convert to float")) is None
