@@ -706,6 +706,9 @@ def worker(
 
     async def job() -> tuple[EngineSettings, Any]:
         # Validated inside _run so a bad URL or setting is one clean line, not a traceback.
+        if worker_id and not worker_id.strip():
+            # Blank: every lease, ledger row and log line would name an owner no one can read.
+            raise CliFailure("--worker-id must not be blank")
         settings = engine_settings(lease_seconds=lease_seconds, **extra)
         shop = _checked_url(fake_shop, "--fake-shop") if fake_shop is not None else None
         writer = _checked_sqlite_writer(sqlite_writer)
