@@ -101,7 +101,7 @@ def test_swapped_databases_are_refused_before_anything_is_written(db_urls: DbUrl
     # --db names the shop's database, --fake-shop ours: the shop wrote its tables into ours
     # and the store its schema into the shop's, then the worker idled, exit 0.
     store_before, shop_before = _tables(db_urls.store), _tables(db_urls.provider)
-    assert SHOP_TABLES <= shop_before and AGENT_TABLE not in shop_before
+    assert shop_before >= SHOP_TABLES and AGENT_TABLE not in shop_before
     got = _worker("--db", db_urls.provider, "--fake-shop", db_urls.store)
     _assert_refused(got, "schema_outdated")
     assert _tables(db_urls.store) == store_before
