@@ -155,14 +155,22 @@ def _refuse_foreign_tables(connection: Connection) -> None:
     """Refuse a database without agent-txn's schema that holds other tables (its default
     schema's): creating ours by itself there would write into another application's database.
     An empty ``alembic_version`` is ours (a database downgraded to ``base`` keeps it)."""
-    others = sorted(set(inspect(connection).get_table_names()) - {VERSION_TABLE})
+    others = _other_tables_sync(connection)
     if others:
-        shown = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")
-        raise ForeignDatabase(
-            f"database holds other tables ({shown}) and no agent-txn schema: agent-txn creates "
-            "its schema by itself only in an empty database; give it a database of its own, "
-            f"or {_UPGRADE_HINT} to add its tables beside them on purpose"
-        )
+        raise _foreign(others)
+
+
+def _other_tables_sync(connection: Connection) -> list[str]:
+    return sorted(set(inspect(connection).get_table_names()) - {VERSION_TABLE})
+
+
+def _foreign(others: list[str]) -> ForeignDatabase:
+    shown = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")
+    return ForeignDatabase(
+        f"database holds other tables ({shown}) and no agent-txn schema: is it agent-txn's "
+        "database? agent-txn creates its schema by itself only in an empty one; "
+        f"{_UPGRADE_HINT} to add its tables beside them on purpose"
+    )
 
 
 def _upgrade_sync(connection: Connection, revision: str, only_if_empty: bool = False) -> None:
@@ -258,8 +266,9 @@ async def ensure_schema(engine: AsyncEngine, *, auto_upgrade: AutoUpgrade = "emp
     ``"empty"`` creates the schema in an empty database and refuses one that is behind;
     ``"always"`` upgrades whatever is behind; ``"never"`` only checks. A database at a revision
     this package does not know (migrated by a newer agent-txn) is refused in every mode, and
-    so is one without agent-txn's schema that holds other tables, in the two modes that would
-    create it (:class:`~ledger.errors.ForeignDatabase`; :func:`upgrade` adds it on purpose).
+    so is one without agent-txn's schema that holds other tables
+    (:class:`~ledger.errors.ForeignDatabase`: not created there, and not said to be "empty";
+    :func:`upgrade` adds the schema beside them on purpose).
 
     Raises :class:`~ledger.errors.SchemaOutdated` when the database is not (and may not be made)
     current.
@@ -274,4 +283,16 @@ async def ensure_schema(engine: AsyncEngine, *, auto_upgrade: AutoUpgrade = "emp
     if auto_upgrade == "always" or (auto_upgrade == "empty" and current is None):
         await upgrade(engine, only_if_empty=current is None)
         return
+    if current is None:
+        # Only checking: "empty, run db upgrade" would advise migrating another application's
+        # database (the shop's, given as ``--db``). Read here, outside the migration lock, as
+        # nothing is created on what it finds.
+        conn = await _read_connection(engine)
+        try:
+            async with conn.begin():
+                others = await conn.run_sync(_other_tables_sync)
+        finally:
+            await conn.close()
+        if others:
+            raise _foreign(others)
     raise _behind(current)

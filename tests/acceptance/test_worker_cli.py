@@ -104,6 +104,8 @@ def test_swapped_databases_are_refused_before_anything_is_written(db_urls: DbUrl
     assert shop_before >= SHOP_TABLES and AGENT_TABLE not in shop_before
     got = _worker("--db", db_urls.provider, "--fake-shop", db_urls.store)
     _assert_refused(got, "schema_outdated")
+    # Not "empty, run db upgrade": that would advise migrating the shop's database.
+    assert "holds other tables (calls, charges, effects, ...)" in got.output
     assert _tables(db_urls.store) == store_before
     assert _tables(db_urls.provider) == shop_before
 

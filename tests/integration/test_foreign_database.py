@@ -44,7 +44,7 @@ async def _tables(url: str) -> set[str]:
         await engine.dispose()
 
 
-@pytest.mark.parametrize("mode", ["empty", "always"])
+@pytest.mark.parametrize("mode", ["empty", "always", "never"])
 async def test_the_schema_is_not_created_beside_other_tables(db_urls: DbUrls, mode: str) -> None:
     await _make_foreign(db_urls.store)
     engine = dialects.create_engine(db_urls.store)
