@@ -8,6 +8,8 @@
     ├── DuplicateKey        a unique key (op key, business key, ...) already exists
     ├── LedgerTampered      the hash chain or the replay does not match the rows
     ├── SchemaOutdated      the database is behind this package's migrations
+    │   ├── MigrationFailed the database refused a migration's statement
+    │   └── ForeignDatabase no agent-txn schema, but other applications' tables
     ├── ValueNotStorable    the database refused a value as too long or out of range for its column
     ├── StoreBusy           lock contention (SQLite busy, PostgreSQL lock/serialization); retryable
     └── StoreUnavailable    the database could not be reached or the connection dropped; retryable
@@ -69,6 +71,11 @@ class MigrationFailed(SchemaOutdated):
     """The database refused a statement of a migration (an object of the same name already
     there, no privilege to create one, ...). The migrations run in one transaction, so none of
     them was applied: the schema is still outdated."""
+
+
+class ForeignDatabase(SchemaOutdated):
+    """The database has no agent-txn schema but holds other tables: it is not created there
+    by itself (``Store.open``), only on purpose (``agent-txn db upgrade``)."""
 
 
 class StoreBusy(StorageError):

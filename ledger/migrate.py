@@ -11,7 +11,11 @@
   holds its single write lock (``BEGIN IMMEDIATE``) for the whole run. After the lock the revision
   is read again, so the second of two concurrent callers finds the work done and does nothing.
 * :func:`ensure_schema` is what ``Store.open()`` calls: upgrade an empty database, refuse (with
-  :class:`~ledger.errors.SchemaOutdated`) one that is behind or ahead of this package.
+  :class:`~ledger.errors.SchemaOutdated`) one that is behind or ahead of this package, and refuse
+  (with :class:`~ledger.errors.ForeignDatabase`) to create the schema by itself in a database
+  that holds other applications' tables: a mistyped ``--db`` naming another application's
+  database got agent-txn's tables written into it. :func:`upgrade` (``agent-txn db upgrade``)
+  is how agent-txn's tables are put beside others on purpose.
 
 A statement of a migration that the database refuses is raised as
 :class:`~ledger.errors.MigrationFailed`, with the database's one-line reason (names of schema
@@ -25,12 +29,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Final, Literal
 
-from sqlalchemy import Connection, text
+from sqlalchemy import Connection, inspect, text
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from ledger.dialects import READ_ONLY_OPTION, translate
-from ledger.errors import MigrationFailed, SchemaOutdated, StoreBusy
+from ledger.errors import ForeignDatabase, MigrationFailed, SchemaOutdated, StoreBusy
 
 if TYPE_CHECKING:
     from alembic.config import Config
@@ -148,11 +152,37 @@ def _lock_for_migration(connection: Connection) -> None:
             connection.exec_driver_sql("BEGIN IMMEDIATE")
 
 
-def _upgrade_sync(connection: Connection, revision: str) -> None:
+def _refuse_foreign_tables(connection: Connection) -> None:
+    """Refuse a database without agent-txn's schema that holds other tables (its default
+    schema's): creating ours by itself there would write into another application's database.
+    An empty ``alembic_version`` is ours (a database downgraded to ``base`` keeps it)."""
+    others = _other_tables_sync(connection)
+    if others:
+        raise _foreign(others)
+
+
+def _other_tables_sync(connection: Connection) -> list[str]:
+    return sorted(set(inspect(connection).get_table_names()) - {VERSION_TABLE})
+
+
+def _foreign(others: list[str]) -> ForeignDatabase:
+    shown = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")
+    return ForeignDatabase(
+        f"database holds other tables ({shown}) and no agent-txn schema: is it agent-txn's "
+        "database? agent-txn creates its schema by itself only in an empty one; "
+        f"{_UPGRADE_HINT} to add its tables beside them on purpose"
+    )
+
+
+def _upgrade_sync(connection: Connection, revision: str, only_if_empty: bool = False) -> None:
     _lock_for_migration(connection)
     current = _current_sync(connection)
     if current is not None and current not in KNOWN_REVISIONS:
         raise _unknown_revision(current)
+    if current is None and only_if_empty:
+        # Checked under the lock: a concurrent opener that just created the schema has
+        # committed it, so its tables are read with its revision, not as a stranger's.
+        _refuse_foreign_tables(connection)
     if revision in ("head", HEAD) and current == HEAD:
         return  # another process finished it while we waited for the lock
     from alembic import command  # local: only migrating needs Alembic (module docs)
@@ -197,13 +227,17 @@ def _migration_failed(action: str, revision: str, exc: DBAPIError) -> MigrationF
     )
 
 
-async def upgrade(engine: AsyncEngine, revision: str = "head") -> None:
+async def upgrade(
+    engine: AsyncEngine, revision: str = "head", *, only_if_empty: bool = False
+) -> None:
     """Apply migrations up to ``revision`` in one transaction, serialised across processes.
-    Raises :class:`~ledger.errors.MigrationFailed` if the database refuses one of them."""
+    Raises :class:`~ledger.errors.MigrationFailed` if the database refuses one of them; with
+    ``only_if_empty``, :class:`~ledger.errors.ForeignDatabase` (nothing written) when the
+    database has no agent-txn schema yet but holds other tables."""
     conn = await _write_connection(engine)
     try:
         async with conn.begin():
-            await conn.run_sync(_upgrade_sync, revision)
+            await conn.run_sync(_upgrade_sync, revision, only_if_empty)
     except DBAPIError as exc:
         if not _refused(exc):
             raise
@@ -232,7 +266,10 @@ async def ensure_schema(engine: AsyncEngine, *, auto_upgrade: AutoUpgrade = "emp
 
     ``"empty"`` creates the schema in an empty database and refuses one that is behind;
     ``"always"`` upgrades whatever is behind; ``"never"`` only checks. A database at a revision
-    this package does not know (migrated by a newer agent-txn) is refused in every mode.
+    this package does not know (migrated by a newer agent-txn) is refused in every mode, and
+    so is one without agent-txn's schema that holds other tables
+    (:class:`~ledger.errors.ForeignDatabase`: not created there, and not said to be "empty";
+    :func:`upgrade` adds the schema beside them on purpose).
 
     Raises :class:`~ledger.errors.SchemaOutdated` when the database is not (and may not be made)
     current.
@@ -245,6 +282,18 @@ async def ensure_schema(engine: AsyncEngine, *, auto_upgrade: AutoUpgrade = "emp
     if current is not None and current not in KNOWN_REVISIONS:
         raise _unknown_revision(current)
     if auto_upgrade == "always" or (auto_upgrade == "empty" and current is None):
-        await upgrade(engine)
+        await upgrade(engine, only_if_empty=current is None)
         return
+    if current is None:
+        # Only checking: "empty, run db upgrade" would advise migrating another application's
+        # database (the shop's, given as ``--db``). Read here, outside the migration lock, as
+        # nothing is created on what it finds.
+        conn = await _read_connection(engine)
+        try:
+            async with conn.begin():
+                others = await conn.run_sync(_other_tables_sync)
+        finally:
+            await conn.close()
+        if others:
+            raise _foreign(others)
     raise _behind(current)

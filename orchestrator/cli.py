@@ -41,7 +41,9 @@ from orchestrator.config import MAX_POLL_SECONDS, EngineSettings
 from orchestrator.demo import (
     DemoError,
     compact_json,
+    require_fresh,
     run_demo,
+    same_database,
     subject_labels,
     transition,
     utc_iso,
@@ -301,9 +303,23 @@ DEMO_MARK: Final = ".agent-txn-demo"
 _SQLITE_SUFFIXES: Final = ("", "-wal", "-shm", "-journal")
 
 
-def _remove_sqlite_files(path: Path) -> None:
-    for suffix in _SQLITE_SUFFIXES:
-        path.with_name(path.name + suffix).unlink(missing_ok=True)
+def _sqlite_files(path: Path) -> list[Path]:
+    return [path.with_name(path.name + suffix) for suffix in _SQLITE_SUFFIXES]
+
+
+def _remove_sqlite_files(path: Path, directory: Path) -> None:
+    """Delete the SQLite file ``path`` and its journals; a folder in the way (``agent.db/``)
+    is refused before any is deleted, and a file that cannot be deleted is one line, not a
+    traceback (``IsADirectoryError`` was one)."""
+    files = _sqlite_files(path)
+    for file in files:
+        if file.is_dir() and not file.is_symlink():
+            _fail(f"--dir {directory}: its {file.name} is a folder, not the demo's file")
+    for file in files:
+        try:
+            file.unlink(missing_ok=True)
+        except OSError as exc:
+            _fail(f"--dir {directory}: cannot delete {file.name}: {exc.strerror or exc}")
 
 
 def _demo_folder(directory: Path, names: list[str]) -> Path:
@@ -326,7 +342,7 @@ def _demo_folder(directory: Path, names: list[str]) -> Path:
         except OSError as exc:
             _fail(f"--dir {directory}: {exc.strerror or exc}")
     for name in names:
-        _remove_sqlite_files(base / name)
+        _remove_sqlite_files(base / name, directory)
     return base
 
 
@@ -369,17 +385,19 @@ def demo(
             "--provider-db is required with a PostgreSQL --db: the fake provider needs a "
             "database of its own (e.g. --provider-db postgresql+asyncpg://…/agent_txn_provider)"
         )
-    if db is None or provider_db is None:
-        # Only the demo's own files in its folder are ours to delete; an explicit --db is not.
-        names = [
-            name for name, given in (("agent.db", db), ("provider.db", provider_db)) if not given
-        ]
-        base = _demo_folder(directory, names)
-        db = db or f"sqlite+aiosqlite:///{base / 'agent.db'}"
-        provider_db = provider_db or f"sqlite+aiosqlite:///{base / 'provider.db'}"
-    if make_url(db) == make_url(provider_db):
+    # Only the demo's own files in its folder are ours to delete; an explicit --db is not.
+    names = [name for name, given in (("agent.db", db), ("provider.db", provider_db)) if not given]
+    base = directory.resolve()  # where its files will be, before the folder is made
+    store_url = db or f"sqlite+aiosqlite:///{base / 'agent.db'}"
+    shop_db = provider_db or f"sqlite+aiosqlite:///{base / 'provider.db'}"
+    if same_database(store_url, shop_db):  # resolved paths: one.db and $PWD/one.db are one
         _fail("--db and --provider-db must be two different databases")
-    report = _run(run_demo(db, provider_db, out=_stdout()))
+    # The databases the user named are read before anything is written: the folder and its
+    # mark, the shop's tables and stock were left behind by a refusal of either.
+    _run(require_fresh(db, provider_db))
+    if names:
+        _demo_folder(directory, names)
+    report = _run(run_demo(store_url, shop_db, out=_stdout()))
     if not report.ok:
         raise typer.Exit(EXIT_PROBLEM)
 
@@ -710,7 +728,8 @@ def worker(
     ] = None,
     sqlite_writer: SqliteWriterOption = None,
 ) -> None:
-    """Recovery loops: resume due transactions, compensate, dispatch the outbox."""
+    """Recovery loops: resume due transactions, compensate, dispatch the outbox (on a store
+    made by ``agent-txn db upgrade``: the worker never creates one)."""
     from orchestrator.workerproc import run_worker_process
 
     # ``is not None``: an empty --worker-id is refused by the settings, not taken as unset.
@@ -718,6 +737,9 @@ def worker(
 
     async def job() -> tuple[EngineSettings, Any]:
         # Validated inside _run so a bad URL or setting is one clean line, not a traceback.
+        if worker_id and not worker_id.strip():
+            # Blank: every lease, ledger row and log line would name an owner no one can read.
+            raise CliFailure("--worker-id must not be blank")
         settings = engine_settings(lease_seconds=lease_seconds, **extra)
         shop = _checked_url(fake_shop, "--fake-shop") if fake_shop is not None else None
         writer = _checked_sqlite_writer(sqlite_writer)

@@ -13,6 +13,7 @@ counted for that order, then checks the ledger's hash chains::
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -21,13 +22,16 @@ from typing import Any, Final
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+from sqlalchemy import Table as DbTable
 from sqlalchemy import func, select
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.pool import NullPool
 
-from ledger.dialects import normalize_url, table_names, translate
+from ledger import schema as store_schema
+from ledger.dialects import normalize_url, sqlite_file, table_names, translate
 from ledger.events import LedgerEntry
+from ledger.migrate import VERSION_TABLE
 from ledger.schema import transactions as transactions_table
 from ledger.states import TxState
 from orchestrator.config import EngineSettings
@@ -49,7 +53,9 @@ __all__ = [
     "format_counts",
     "key_facts",
     "order_saga",
+    "require_fresh",
     "run_demo",
+    "same_database",
     "subject_labels",
     "transition",
     "utc_iso",
@@ -243,7 +249,9 @@ async def run_demo(
 ) -> DemoReport:
     """Run the demo orders against fresh databases, printing as it goes; returns the report."""
     report = DemoReport(store=_where(store_url), provider=_where(provider_url))
-    await _require_empty_provider(provider_url)
+    await require_fresh(store_url, provider_url)
+    if same_database(store_url, provider_url):
+        raise DemoError("the demo needs two different databases, one for each side")
     shop = await FakeShop.open(provider_url)
     try:
         await shop.seed_stock({SKU: STOCK})
@@ -251,7 +259,6 @@ async def run_demo(
             store_url, providers=shop.providers(), settings=DEMO_SETTINGS
         )
         try:
-            await _require_empty(orch)
             saga = order_saga()
             await orch.register(saga)
             out.print(
@@ -281,13 +288,79 @@ async def run_demo(
     return report
 
 
-async def _require_empty(orch: Orchestrator) -> None:
-    # The demo's business keys (order:order-41 ...) and counters assume a fresh store; on a
-    # database the user pointed us at we refuse rather than delete anything.
-    async with orch.store.read() as conn:
-        existing = (
-            await conn.execute(select(func.count()).select_from(transactions_table))
-        ).scalar_one()
+def same_database(first: str, second: str) -> bool:
+    """Whether two URLs name one database: SQLite files compared by their resolved paths
+    (``sqlite:///one.db`` and ``sqlite:///$PWD/one.db`` are one file), others by their URLs."""
+    files = sqlite_file(first), sqlite_file(second)
+    if files[0] is not None and files[1] is not None:
+        return os.path.realpath(files[0]) == os.path.realpath(files[1])
+    return make_url(normalize_url(first)) == make_url(normalize_url(second))
+
+
+async def require_fresh(store_url: str | None, provider_url: str | None) -> None:
+    """Refuse, before anything is written anywhere, a database the demo cannot make its own.
+
+    The agent-txn database must hold nothing but (an empty) agent-txn schema; the provider's
+    nothing but (an empty) shop: the demo's business keys and counts assume fresh databases,
+    and on a database the user named it refuses rather than deletes. Both are read before the
+    shop opens: it writes its tables and stock, which a refusal of the other database left
+    behind. ``None`` skips one (the demo's own files, which it recreates)."""
+    if provider_url is not None:
+        await _require_empty_provider(provider_url)
+    if store_url is not None:
+        await _require_empty_store(store_url)
+
+
+async def _contents(url: str, ours: set[str], counted: DbTable) -> tuple[list[str], int]:
+    """The tables of ``url`` that are not in ``ours``, and the rows of ``counted`` (counted
+    only when there are none such: another application's table of that name is not ours to
+    read). A SQLite file that does not exist yet is not opened (SQLite would create it, and a
+    refusal after left an empty file): it is empty, if its folder exists."""
+    if _sqlite_file_to_come(url):
+        return [], 0
+    engine = create_async_engine(normalize_url(url), poolclass=NullPool)
+    try:
+        async with engine.connect() as conn:
+            tables = await table_names(conn)
+            others = sorted(tables - ours)
+            rows = 0
+            if not others and counted.name in tables:
+                query = select(func.count()).select_from(counted)
+                rows = (await conn.execute(query)).scalar_one()
+    except Exception as exc:
+        translated = translate(exc)
+        if translated is None:
+            raise
+        raise translated from None
+    finally:
+        await engine.dispose()
+    return others, rows
+
+
+def _sqlite_file_to_come(url: str) -> bool:
+    """Whether ``url`` names a SQLite file not made yet; refused if its folder is missing."""
+    path = sqlite_file(url)
+    if path is None or os.path.exists(path):
+        return False
+    if not os.path.isdir(os.path.dirname(path)):
+        raise DemoError(f"the folder of {path} does not exist")
+    return True
+
+
+def _listed(names: list[str]) -> str:
+    return f"{', '.join(names[:3])}{', ...' if len(names) > 3 else ''}"
+
+
+async def _require_empty_store(url: str) -> None:
+    ours = set(store_schema.metadata.tables) | {VERSION_TABLE}
+    others, existing = await _contents(url, ours, transactions_table)
+    if others:
+        # Orchestrator.open would refuse it too (ForeignDatabase), but only after the shop
+        # had written its tables and stock into the provider's database.
+        raise DemoError(
+            f"the demo needs an agent-txn database of its own; this one holds other tables "
+            f"({_listed(others)})"
+        )
     if existing:
         raise DemoError(
             f"the demo needs an empty agent-txn database; this one already holds {existing} "
@@ -299,26 +372,11 @@ async def _require_empty_provider(url: str) -> None:
     """Refuse a provider database that holds anything: opening the shop writes its tables and
     stock there (into the agent-txn database itself when ``--provider-db`` named it), and its
     earlier effects would be counted as the demo's."""
-    engine = create_async_engine(normalize_url(url), poolclass=NullPool)
-    try:
-        async with engine.connect() as conn:
-            tables = await table_names(conn)
-            others = sorted(tables - set(shop_schema.metadata.tables))
-            effects = 0
-            if not others and shop_schema.effects.name in tables:
-                query = select(func.count()).select_from(shop_schema.effects)
-                effects = (await conn.execute(query)).scalar_one()
-    except Exception as exc:
-        translated = translate(exc)
-        if translated is None:
-            raise
-        raise translated from None
-    finally:
-        await engine.dispose()
+    others, effects = await _contents(url, set(shop_schema.metadata.tables), shop_schema.effects)
     if others:
         raise DemoError(
             f"the demo needs a provider database of its own; this one holds other tables "
-            f"({', '.join(others[:3])}{', ...' if len(others) > 3 else ''})"
+            f"({_listed(others)})"
         )
     if effects:
         raise DemoError(

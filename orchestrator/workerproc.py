@@ -3,7 +3,14 @@
 A worker process needs the same providers the sagas were written against. ``--app
 module:attribute`` names them (an iterable of providers, an object with ``providers()``, or a
 callable — sync or async — returning either), like Celery's ``-A``; ``--fake-shop URL`` is a
-shortcut that serves the fake shop's three providers from its database.
+shortcut that serves the fake shop's three providers from its database. The module is found
+from the current folder too, as ``python -m`` and uvicorn's and Celery's app arguments find it
+(the ``agent-txn`` console script does not put the folder on ``sys.path`` by itself).
+
+A worker runs on a store that ``agent-txn db upgrade`` (or the application) made: it opens it
+with ``auto_upgrade="never"`` and before its providers, so a mistyped ``--db`` (a new file, an
+in-memory database, the shop's database given for ours) is refused before anything is written,
+instead of getting a schema of its own and an idle worker reporting ``claimed 0``.
 """
 
 from __future__ import annotations
@@ -12,7 +19,9 @@ import asyncio
 import contextlib
 import importlib
 import inspect
+import os
 import signal
+import sys
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -34,10 +43,14 @@ async def load_providers(app_ref: str) -> tuple[list[Provider], Any]:
     module_name, _, attr = app_ref.partition(":")
     if not module_name or not attr:
         raise DefinitionInvalid(details={"reason": "--app must look like module:attribute"})
+    _put_cwd_on_path()
     try:
         target: Any = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise DefinitionInvalid(details={"reason": f"cannot load {app_ref}: {exc}"}) from None
+    except Exception as exc:
+        # Whatever the import raised (a relative name's TypeError, the module's SyntaxError or
+        # its own error at import) is the app's problem: one line naming it, no traceback.
+        reason = f"cannot load {app_ref}: {type(exc).__name__}: {exc}"
+        raise DefinitionInvalid(details={"reason": reason}) from None
     closer: Any = None
     try:
         if callable(target) and not hasattr(target, "providers"):
@@ -67,6 +80,14 @@ async def load_providers(app_ref: str) -> tuple[list[Provider], Any]:
     return found, closer
 
 
+def _put_cwd_on_path() -> None:
+    """The current folder first on ``sys.path``, as ``python -m`` puts it (``""``): run as the
+    ``agent-txn`` console script, ``--app mymodule:build`` was not found beside the user."""
+    cwd = os.getcwd()
+    if not any(os.path.abspath(entry or os.curdir) == cwd for entry in sys.path):
+        sys.path.insert(0, cwd)
+
+
 async def _close_refused(app: Any) -> None:
     """The caller never gets a refused app to close: one that opened a pool or a client for
     its providers is closed here, before the refusal."""
@@ -81,18 +102,39 @@ async def open_providers(
     """The providers of ``--fake-shop`` and ``--app`` (``worker``, ``serve``, ``mcp``); what
     they opened is appended to ``closers``, for :func:`close_all` whatever fails later."""
     providers: list[Provider] = []
+    origin: dict[str, str] = {}
     if fake_shop is not None:
         from providers.fake.shop import FakeShop
 
         shop = await FakeShop.open(fake_shop)
         closers.append(shop)
-        providers.extend(shop.providers())
+        _add_unique(providers, origin, shop.providers(), "--fake-shop")
     if app_ref is not None:
         loaded, closer = await load_providers(app_ref)
-        providers.extend(loaded)
         if closer is not None:
             closers.append(closer)
+        _add_unique(providers, origin, loaded, f"--app {app_ref}")
     return providers
+
+
+def _add_unique(
+    providers: list[Provider], origin: dict[str, str], new: Iterable[Provider], source: str
+) -> None:
+    """Add ``new`` to ``providers``, refusing a name already served: the engine keeps one
+    provider per name, so the later one silently replaced the earlier (the fake shop's
+    ``payments`` by the app's, or the other way round)."""
+    for provider in new:
+        first = origin.get(provider.name)
+        if first is not None:
+            where = source if first == source else f"{first} and {source}"
+            raise DefinitionInvalid(
+                details={
+                    "reason": f"two providers are named {provider.name!r} ({where}); "
+                    "a process serves one provider per name"
+                }
+            )
+        origin[provider.name] = source
+        providers.append(provider)
 
 
 async def close_all(closers: list[Any]) -> None:
@@ -239,28 +281,47 @@ async def _serve(
     app_ref: str | None,
     metrics_port: int | None,
 ) -> WorkerStats:
-    # Closed in reverse order of opening, whatever failed: the engine before the providers.
+    from orchestrator.cli import _require_existing
+
+    # The store first, checked and never created (module docs): a worker given the wrong
+    # database is refused before its providers open theirs (the fake shop writes its tables).
+    _require_existing(url)
+    # Every log line of this process names its worker, next to the engine's tx_id / op_key.
+    structlog.contextvars.bind_contextvars(worker=settings.worker_id)
+    orch = await Orchestrator.open(
+        url, settings=worker_settings(settings, concurrency), auto_upgrade="never"
+    )
+    # What the providers opened, closed after the engine whatever failed.
     closers: list[Any] = []
     try:
-        providers = await open_providers(fake_shop, app_ref, closers)
-        # Every log line of this process names its worker, next to the engine's tx_id / op_key.
-        structlog.contextvars.bind_contextvars(worker=settings.worker_id)
-        orch = await Orchestrator.open(
-            url, providers=providers, settings=worker_settings(settings, concurrency)
-        )
-        closers.append(orch)
-        await warn_if_short_of_connections(orch, concurrency)
-        if metrics_port is not None:
-            try:
-                orch.metrics.serve(metrics_port)
-            except OSError as exc:
-                # Said as the port's problem: as an OSError it read "database unreachable".
-                from orchestrator.cli import CliFailure
-
-                reason = exc.strerror or str(exc)
-                raise CliFailure(f"--metrics-port {metrics_port}: {reason}") from None
-        worker = Worker(orch, concurrency=concurrency, poll_seconds=poll_seconds)
-        stop.attach(worker)
-        return await worker.run(once=once)
+        try:
+            for provider in await open_providers(fake_shop, app_ref, closers):
+                orch.register_provider(provider)
+            return await _work(orch, stop, concurrency, once, poll_seconds, metrics_port)
+        finally:
+            await orch.close()
     finally:
         await close_all(closers)
+
+
+async def _work(
+    orch: Orchestrator,
+    stop: _StopRequest,
+    concurrency: int,
+    once: bool,
+    poll_seconds: float,
+    metrics_port: int | None,
+) -> WorkerStats:
+    await warn_if_short_of_connections(orch, concurrency)
+    if metrics_port is not None:
+        try:
+            orch.metrics.serve(metrics_port)
+        except OSError as exc:
+            # Said as the port's problem: as an OSError it read "database unreachable".
+            from orchestrator.cli import CliFailure
+
+            reason = exc.strerror or str(exc)
+            raise CliFailure(f"--metrics-port {metrics_port}: {reason}") from None
+    worker = Worker(orch, concurrency=concurrency, poll_seconds=poll_seconds)
+    stop.attach(worker)
+    return await worker.run(once=once)
