@@ -42,9 +42,30 @@ from orchestrator.crashpoints import CrashPoints
 from orchestrator.metrics import Metrics
 from orchestrator.protocol import Decision, decide, echo_mismatches
 from orchestrator.saga import SagaDefinition
+from providers.contract import FULL_REMOTE_ID_FIELD, bounded_remote_id, full_remote_id
 from providers.registry import ProviderRegistry
 
 log = structlog.get_logger(__name__)
+
+
+def storable_remote_id(decision: Decision) -> Decision:
+    """``decision`` with a remote id the store can hold on every backend.
+
+    Every provider answer passes here before it is recorded (:meth:`SagaRun._decidable`), so
+    this is the one boundary where a provider's id meets the ``remote_id`` column. An id longer
+    than the column (PostgreSQL refused it with ``ValueNotStorable`` on every retry, while the
+    effect had happened; SQLite kept it whole) is recorded as its stand-in
+    (:func:`~providers.contract.bounded_remote_id`: a prefix plus a SHA-256 of the whole id)
+    and the whole id goes into the result, so the effect is still recorded confirmed, lookups
+    and views find one stable id, and templates (``forward.remote_id``: a refund naming the
+    charge) render the whole id (:func:`~providers.contract.full_remote_id`)."""
+    remote_id = decision.remote_id
+    if remote_id is None or len(remote_id) <= effects.REMOTE_ID_MAX:
+        return decision
+    stored = bounded_remote_id(remote_id, effects.REMOTE_ID_MAX)
+    result = {**(decision.result or {}), FULL_REMOTE_ID_FIELD: remote_id}
+    detail = {**decision.detail, "remote_id_length": len(remote_id)}
+    return replace(decision, remote_id=stored, result=result, detail=detail)
 
 
 class StepGate(Protocol):
@@ -269,6 +290,7 @@ class SagaRun:
         decide (``review resolve`` acts on ``manual_review`` effects only), so the saga would be
         parked for good; recorded ``manual_review`` (the provider's refusal kept as its last
         answer), it waits for a person like any undecidable effect."""
+        decision = storable_remote_id(decision)
         if decision.state is not EffectState.FAILED or not self._cannot_turn_back(claim):
             return decision
         return replace(decision, state=EffectState.MANUAL_REVIEW)
@@ -421,7 +443,11 @@ class SagaRun:
     def scope(self, forward: Effect | None = None) -> dict[str, Any]:
         """Template scope: inputs, tx id, confirmed steps, and the op being reversed."""
         steps = {
-            o.name: {"payload": o.payload, "result": o.result, "remote_id": o.remote_id}
+            o.name: {
+                "payload": o.payload,
+                "result": o.result,
+                "remote_id": full_remote_id(o.remote_id, o.result),
+            }
             for o in self.ops
             if o.state is EffectState.CONFIRMED
         }
@@ -433,7 +459,7 @@ class SagaRun:
             scope["forward"] = {
                 "payload": forward.payload,
                 "result": forward.result,
-                "remote_id": forward.remote_id,
+                "remote_id": full_remote_id(forward.remote_id, forward.result),
             }
         return scope
 

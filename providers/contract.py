@@ -14,13 +14,20 @@ Each action declares an :class:`ActionContract`: its compensation (or that it is
 whether apply dedups by key and for how long, whether lookup exists and is authoritative, whether
 fencing is honoured, and which result fields must echo the payload. The engine never assumes more
 than the contract says.
+
+A ``remote_id`` may be as long as the provider likes: the engine stores at most a bounded number
+of characters of it (``ledger.effects.REMOTE_ID_MAX``), so an id longer than that is recorded as
+:func:`bounded_remote_id` (a prefix plus a digest of the whole id) with the whole id kept in the
+effect's result under :data:`FULL_REMOTE_ID_FIELD`; :func:`full_remote_id` gives it back to
+templates (``forward.remote_id``), so a refund still names the provider's real charge id.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from hashlib import sha256
+from typing import Any, Final, Protocol, runtime_checkable
 
 JsonObject = Mapping[str, Any]
 
@@ -129,6 +136,47 @@ class Unavailable:
 
 
 LookupOutcome = Found | NotFound | Unavailable
+
+
+# -- remote ids longer than the engine stores ---------------------------------------------------
+
+#: Result field holding the provider's whole id when the recorded one is its bounded stand-in.
+FULL_REMOTE_ID_FIELD: Final = "agent_txn_full_remote_id"
+#: Separates a bounded id's prefix from the digest of the whole id.
+_DIGEST_MARK: Final = "~sha256:"
+_DIGEST_CHARS: Final = 64
+
+
+def bounded_remote_id(remote_id: str, limit: int) -> str:
+    """``remote_id`` itself if it has at most ``limit`` characters, else a stand-in that does.
+
+    Why a stand-in and not a refusal: the provider *did* act, so its answer must be recorded
+    (an effect recorded as not done, or re-sent under a new key, could charge twice), and a
+    record the database refuses would be retried for ever. Why this one: the stand-in is a
+    pure function of the whole id (the same answer from apply and from a later lookup records
+    the same id on every backend), it stays unique (a SHA-256 of the whole id) and still reads
+    like the provider's id (its first characters), so a person can match it.
+    """
+    if len(remote_id) <= limit:
+        return remote_id
+    keep = limit - len(_DIGEST_MARK) - _DIGEST_CHARS
+    if keep < 0:
+        raise ValueError(f"a remote id limit of {limit} cannot hold a digest")
+    digest = sha256(remote_id.encode("utf-8", "surrogatepass")).hexdigest()
+    return f"{remote_id[:keep]}{_DIGEST_MARK}{digest}"
+
+
+def full_remote_id(stored: str | None, result: Any) -> str | None:
+    """The provider's whole id of an effect recorded as ``stored`` with ``result``.
+
+    The result's copy counts only if ``stored`` is its stand-in: a provider result that
+    happens to carry a field of that name cannot change which id a template renders."""
+    if stored is None or _DIGEST_MARK not in stored or not isinstance(result, Mapping):
+        return stored
+    full = result.get(FULL_REMOTE_ID_FIELD)
+    if not isinstance(full, str) or len(full) <= len(stored):
+        return stored
+    return full if bounded_remote_id(full, len(stored)) == stored else stored
 
 
 class UnknownAction(LookupError):

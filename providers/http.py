@@ -41,6 +41,9 @@ ReadTimeout, WriteTimeout, PoolTimeout ``Unknown("read_timeout"|...)``
 RemoteProtocolError, ReadError, ...    ``Unknown("connection_closed"|"read_error"|...)``
 =====================================  ===============================================
 
+The id is taken as the provider gives it, whatever its length: the engine bounds what it
+records (``providers.contract.bounded_remote_id``), so every provider is held to the same rule.
+
 Lookup: 200 with an id is ``Found``, 404 is ``NotFound(voided=body["voided"])``, anything
 else (another status, a malformed body, any transport error) is ``Unavailable``.
 
