@@ -195,7 +195,13 @@ class AgentToolbox:
         )
         needs_approval = bool(await self.svc._approvals_needed(stored))
         return {
-            "proposal": proposal_text(stored, prepared.inputs, lang, needs_approval=needs_approval),
+            "proposal": proposal_text(
+                stored,
+                prepared.inputs,
+                lang,
+                needs_approval=needs_approval,
+                queries=prepared.queries,
+            ),
             "confirmation_token": token,
             "action": stored.name,
             "expires_at": audit.iso(self._store.now_ms() + CONFIRMATION_TTL_MS),

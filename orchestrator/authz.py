@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import unicodedata
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from decimal import Decimal
@@ -158,7 +159,15 @@ def _refuse(event: str, **why: Any) -> PrincipalNotAuthorized:
 
 
 def _valid_id(value: Any) -> bool:
-    return isinstance(value, str) and 0 < len(value) <= MAX_ID_LENGTH and value.strip() == value
+    """A principal or room id as a token may carry it: no control characters (NUL above all,
+    which PostgreSQL cannot even compare) and no lone surrogates, so it is refused here the
+    same way on both backends instead of failing in the database."""
+    return (
+        isinstance(value, str)
+        and 0 < len(value) <= MAX_ID_LENGTH
+        and value.strip() == value
+        and not any(unicodedata.category(c) in ("Cc", "Cs") for c in value)
+    )
 
 
 def authenticate_jwt(token: str, settings: AuthSettings) -> Caller:
@@ -272,6 +281,34 @@ class Principal:
         ]
 
 
+async def require_known_principal(
+    conn: AsyncConnection, caller: Caller, *, tenant: str
+) -> PrincipalRow:
+    """The caller's principal row, if it may act at all in ``tenant`` whatever the scope: it
+    exists in ``tenant``, is alive, verified, not disabled and of the caller's kind. Anything
+    else is the one uniform refusal.
+
+    The scope-free half of :func:`load_principal`. The HTTP layer runs it for every JWT caller,
+    so a validly signed token naming nobody of this tenant is refused the same way on every
+    route, including the ones (listings) that would otherwise just find nothing to show.
+    """
+    who = {"principal_id": caller.principal_id, "kind": caller.kind}
+    row = await repo.get_principal(conn, caller.principal_id)
+    if row is None:
+        raise _refuse("authz.principal_refused", reason="unknown", **who)
+    if row.tenant != tenant:
+        raise _refuse("authz.principal_refused", reason="other_tenant", **who)
+    if not row.alive:
+        raise _refuse("authz.principal_refused", reason="deleted", **who)
+    if not row.verified:
+        raise _refuse("authz.principal_refused", reason="unverified", **who)
+    if row.disabled:
+        raise _refuse("authz.principal_refused", reason="disabled", **who)
+    if row.kind != caller.kind:
+        raise _refuse("authz.principal_refused", reason="kind_mismatch", **who)
+    return row
+
+
 async def load_principal(
     conn: AsyncConnection,
     caller: Caller,
@@ -291,19 +328,7 @@ async def load_principal(
     if scope_kind not in SCOPE_KINDS:
         raise ValueError(f"scope_kind must be 'company' or 'room', not {scope_kind!r}")
     who = {"principal_id": caller.principal_id, "kind": caller.kind}
-    row = await repo.get_principal(conn, caller.principal_id)
-    if row is None:
-        raise _refuse("authz.principal_refused", reason="unknown", **who)
-    if row.tenant != tenant:
-        raise _refuse("authz.principal_refused", reason="other_tenant", **who)
-    if not row.alive:
-        raise _refuse("authz.principal_refused", reason="deleted", **who)
-    if not row.verified:
-        raise _refuse("authz.principal_refused", reason="unverified", **who)
-    if row.disabled:
-        raise _refuse("authz.principal_refused", reason="disabled", **who)
-    if row.kind != caller.kind:
-        raise _refuse("authz.principal_refused", reason="kind_mismatch", **who)
+    row = await require_known_principal(conn, caller, tenant=tenant)
     room: str | None = None
     if scope_kind == "room":
         if caller.room_id is not None and caller.room_id != scope_id:

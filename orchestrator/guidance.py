@@ -6,8 +6,10 @@ Both are built here from fixed strings, in the room's language (``en`` and ``zh-
 proposal shows business data — the command's purpose, the actions, amounts and targets, input
 values (even those that merely look like UUIDs or digests) — and never the server's structure:
 no digest, confirmation token or reference, transaction or execution ids, keys or headers.
-Values that would come from the server (``tx.id``) or from results not known before the plan runs
-(``steps.…``) are left out rather than guessed.
+Values taken from query results (``queries.…``) are fixed at prepare and are what the plan will
+send, so they are shown too: the person must see the amount they confirm. Values that would come
+from the server (``tx.id``) or from results not known before the plan runs (``steps.…``) are left
+out rather than guessed.
 """
 
 from __future__ import annotations
@@ -153,32 +155,53 @@ def expressions_repr(value: Any) -> str:
     return str(value)
 
 
-def _business_fields(template: Any, inputs: Mapping[str, Any]) -> list[tuple[str, Any]]:
+#: The scope roots fixed at prepare: the validated inputs and the query results. A payload
+#: field over these renders now to exactly what the plan will send.
+_KNOWN_AT_PREPARE: Final = ("inputs", "queries")
+
+
+def _known_at_prepare(ref: str) -> bool:
+    return ref.split(".", 1)[0] in _KNOWN_AT_PREPARE
+
+
+def _business_fields(
+    template: Any, inputs: Mapping[str, Any], queries: Mapping[str, Any]
+) -> list[tuple[str, Any]]:
     """Payload fields whose value is known before the plan runs and is business data: literals
-    and values taken from the inputs. Server-made and later-known values are left out."""
+    and values taken from the inputs or the query results (both fixed at prepare, so hiding
+    them would hide what the person confirms). Server-made and later-known values are left
+    out."""
     if not isinstance(template, Mapping):
         return []
+    scope = {"inputs": dict(inputs), "queries": dict(queries)}
     out: list[tuple[str, Any]] = []
     for field, expr in template.items():
-        refs = expressions.refs(expr)
-        if any(not r.startswith("inputs.") for r in refs):
-            continue  # tx ids, step results, query results: structural or not yet known
+        if not all(_known_at_prepare(r) for r in expressions.refs(expr)):
+            continue  # tx ids, step results: structural or not yet known
         try:
-            out.append((str(field), expressions.render(expr, {"inputs": dict(inputs)})))
+            out.append((str(field), expressions.render(expr, scope)))
         except expressions.ExpressionError:
             continue
     return out
 
 
 def proposal_text(
-    stored: StoredCommand, inputs: Mapping[str, Any], language: str, *, needs_approval: bool
+    stored: StoredCommand,
+    inputs: Mapping[str, Any],
+    language: str,
+    *,
+    needs_approval: bool,
+    queries: Mapping[str, Any] | None = None,
 ) -> str:
-    """The bounded proposal the person confirms: what will happen, amounts and targets."""
+    """The bounded proposal the person confirms: what will happen, amounts and targets.
+
+    ``queries`` are the query results fixed at prepare (``prepared.queries``): the staged plan
+    renders its payloads over them, so the proposal does too."""
     lang = _lang(language)
     title = str(stored.data.get("description") or stored.name).strip() or stored.name
     lines = [_PROPOSAL["intro"][lang].format(title=_shown(title))]
     for step in stored.effect_steps:
-        fields = _business_fields(step.get("payload"), inputs)
+        fields = _business_fields(step.get("payload"), inputs, queries or {})
         details = "; ".join(f"{k}: {_shown(v)}" for k, v in fields)
         lines.append(
             _PROPOSAL["step"][lang].format(

@@ -28,8 +28,9 @@
 This module only translates: HTTP in, :class:`~orchestrator.commands.CommandService` (or
 :class:`~orchestrator.agent.AgentToolbox`, :mod:`orchestrator.ops`) call, HTTP out. Every decision
 (which check comes first, what is written, who may see what) is the service's, so the Python API
-and the REST API cannot drift apart. The one check made here is who counts as an operator for the
-``/v1/ops`` routes (:func:`current_operator`), which the ops module leaves to its callers.
+and the REST API cannot drift apart. The checks made here are who counts as an operator for the
+``/v1/ops`` routes (:func:`current_operator`), which the ops module leaves to its callers, and
+that a JWT's ``sub`` names a principal of this tenant at all (:func:`current_caller`).
 
 Credentials: ``Authorization: Bearer <JWT>`` (:func:`~orchestrator.authz.authenticate_jwt`) or
 ``X-API-Key`` (:func:`~orchestrator.authz.authenticate_api_key`, which command routes then refuse
@@ -720,10 +721,19 @@ async def current_caller(
     token: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
     key: Annotated[str | None, Depends(_api_key)],
 ) -> Caller:
-    """Who is calling: a verified JWT first, else an API key; neither is the uniform 403."""
+    """Who is calling: a verified JWT first, else an API key; neither is the uniform 403.
+
+    A JWT only proves that someone signed a ``sub``; whether that names a principal who may act
+    in this tenant at all is checked here, once for every route, so a token naming nobody (or
+    someone of another tenant) is the uniform 403 everywhere rather than, on a listing, an
+    empty answer that looks like success. An API key already names a live principal, and the
+    command routes refuse it with ``jwt_required``."""
     state: _State = request.app.state.agent_txn
     if token is not None:
-        return authz.authenticate_jwt(token.credentials, state.auth)
+        caller = authz.authenticate_jwt(token.credentials, state.auth)
+        async with state.orch.store.read() as conn:
+            await authz.require_known_principal(conn, caller, tenant=state.orch.commands.tenant)
+        return caller
     if key:
         async with state.orch.store.read() as conn:
             return await authz.authenticate_api_key(conn, key)
