@@ -19,6 +19,7 @@ import sys
 from collections.abc import Coroutine
 from pathlib import Path
 from typing import Annotated, Any, Final, NoReturn, TypeVar
+from urllib.parse import unquote
 
 import typer
 from pydantic import ValidationError
@@ -167,6 +168,11 @@ def _expected_failure(exc: BaseException) -> tuple[str, int] | None:
     """The line and exit code for a failure a user can act on (``None``: a bug)."""
     if isinstance(exc, CliFailure):
         return exc.message, exc.code
+    refusal = _server_refusal(exc)
+    if refusal is not None:
+        # Before the store's own wording: "refused the connection (3D000)" hid the server's
+        # "database "x" does not exist", which names what to fix.
+        return refusal, EXIT_USAGE
     if isinstance(exc, AgentTxnError):
         return _describe(exc), EXIT_USAGE
     if isinstance(exc, DemoError):
@@ -181,16 +187,41 @@ def _expected_failure(exc: BaseException) -> tuple[str, int] | None:
     return None
 
 
+#: SQLSTATE classes of PostgreSQL's refusals to let a session start: 28 (authorization: bad
+#: user or password), 3D (invalid catalog name: no such database). Their text names what to fix
+#: and holds no row data, unlike the messages of failed statements.
+_SERVER_REFUSAL_CLASSES: Final = ("28", "3D")
+
+
+def _server_refusal(exc: BaseException) -> str | None:
+    """The server's own line when ``exc`` was caused (however wrapped: SQLAlchemy, the store's
+    translation, an engine error) by PostgreSQL refusing the session; ``None`` otherwise."""
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [exc]
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        sqlstate = getattr(current, "sqlstate", None)
+        driver = type(current).__module__.partition(".")[0] == "asyncpg"
+        if driver and isinstance(sqlstate, str) and sqlstate[:2] in _SERVER_REFUSAL_CLASSES:
+            return f"PostgreSQL: {current} ({type(current).__name__})"
+        pending += [current.__cause__, current.__context__, getattr(current, "orig", None)]
+    return None
+
+
 def _driver_message(exc: Exception) -> str | None:
     """One line for a raw driver error, or ``None`` when ``exc`` is not one."""
+    # asyncpg raises its server errors unwrapped while connecting (unknown database, bad
+    # password); the server's text names the problem and holds no row data. Checked before
+    # the translation, which knows only the SQLSTATE class ("refused the connection (3D000)").
+    if type(exc).__module__.partition(".")[0] == "asyncpg":
+        return f"PostgreSQL: {exc} ({type(exc).__name__})"
     # ``db upgrade`` talks to the engine without the store, so nothing translated its errors.
     translated = dialects.translate(exc)
     if translated is not None:
         return f"{type(translated).__name__}: {translated}"
-    # asyncpg raises its server errors unwrapped while connecting (unknown database, bad
-    # password); the server's text names the problem and holds no row data.
-    if type(exc).__module__.partition(".")[0] == "asyncpg":
-        return f"PostgreSQL: {exc} ({type(exc).__name__})"
     return None
 
 
@@ -202,7 +233,24 @@ def _checked_url(url: str, option: str = "--db") -> str:
         make_url(normalized).get_dialect()  # is the driver installed?
     except (ArgumentError, NoSuchModuleError, ValueError) as exc:
         raise CliFailure(f"{option}: {exc}") from None
+    _check_sqlite_location(normalized, option)
     return normalized
+
+
+def _check_sqlite_location(url: str, option: str) -> None:
+    """Refuse a SQLite file SQLite cannot open or create, naming the option: the driver said
+    only "StoreUnavailable: database operational error" for a folder given as the file or a
+    file in a folder that does not exist, which left the operator guessing which URL."""
+    path = _sqlite_path(url)
+    if path is None:
+        return
+    if path.is_dir():
+        raise CliFailure(f"{option}: {path} is a directory, not a SQLite database file")
+    if not path.parent.is_dir():
+        raise CliFailure(
+            f"{option}: {path} does not exist and cannot be made: "
+            f"directory {path.parent} does not exist"
+        )
 
 
 def engine_settings(**options: Any) -> EngineSettings:
@@ -232,13 +280,26 @@ def _checked_sqlite_writer(value: str | None) -> SqliteWriter | None:
 
 
 def _sqlite_path(url: str) -> Path | None:
+    """The file a SQLite URL opens, or ``None`` (not SQLite, or in memory)."""
     parsed = make_url(url)
     if parsed.get_backend_name() != "sqlite" or dialects.in_memory(url):
         return None
     database = parsed.database or ""
-    if database.startswith("file:"):
+    if database.startswith("file:") and parsed.query.get("uri") == "true":
+        return _sqlite_uri_path(database, parsed.query.get("mode"))
+    return Path(database)  # without uri=true, SQLite takes "file:x.db" as a plain file name
+
+
+def _sqlite_uri_path(uri: str, mode: Any) -> Path | None:
+    """The file of a SQLite ``file:`` URI (``file:x.db``, ``file:/abs/x.db``, ``file:///abs``),
+    ``None`` for ``mode=memory``: skipping every ``file:`` name let each read command create
+    the empty file it then refused as having no schema."""
+    if mode == "memory":
         return None
-    return Path(database)
+    rest = uri.removeprefix("file:")
+    if rest.startswith("//"):  # file://[localhost]/path: an authority, then an absolute path
+        rest = "/" + rest[2:].partition("/")[2]
+    return Path(unquote(rest))
 
 
 def _refuse_in_memory(url: str) -> None:
@@ -415,9 +476,6 @@ def _checked_url_or_exit(url: str, option: str) -> str:
 async def _revisions(url: str, *, apply: bool) -> tuple[str | None, str | None]:
     url = _checked_url(url)
     _refuse_in_memory(url)
-    path = _sqlite_path(url)
-    if path is not None and not path.parent.exists():
-        raise CliFailure(f"directory {path.parent} does not exist")
     if not apply:
         _require_existing(url)
     engine = dialects.create_engine(url)
