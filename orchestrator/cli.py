@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import sqlite3
 import sys
 from collections.abc import Coroutine
 from pathlib import Path
@@ -34,7 +35,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 
 from ledger import dialects, migrate
-from ledger.errors import StorageError
+from ledger.errors import ForeignDatabase, StorageError
 from ledger.schema import ledger as ledger_table
 from ledger.schema import transactions as transactions_table
 from ledger.store import SQLITE_WRITERS, SqliteWriter
@@ -50,7 +51,7 @@ from orchestrator.demo import (
     utc_iso,
 )
 from orchestrator.engine import Orchestrator
-from orchestrator.errors import AgentTxnError
+from orchestrator.errors import AgentTxnError, SchemaOutdatedError
 from orchestrator.logging import LEVELS, configure_logging, level_number
 from orchestrator.mcp_server import mcp as mcp_command
 from orchestrator.ops_cli import ops_app
@@ -318,6 +319,34 @@ def _require_existing(url: str) -> None:
     path = _sqlite_path(url)
     if path is not None and not path.exists():
         raise CliFailure(f"no agent-txn database at {path}; run `agent-txn db upgrade --db {url}`")
+    if path is not None:
+        _refuse_foreign_sqlite(path)
+
+
+def _refuse_foreign_sqlite(path: Path) -> None:
+    """Refuse another application's SQLite file before the engine opens it: its first connection
+    switches the file to WAL, so a read-only command (``db current``, ``principals list``)
+    changed a database it then refused as not agent-txn's. Read through a read-only connection,
+    which changes nothing; a file it cannot read is left to the engine to report."""
+    try:
+        peek = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
+        try:
+            rows = peek.execute("SELECT name FROM sqlite_master WHERE type = 'table'").fetchall()
+        finally:
+            peek.close()
+    except sqlite3.Error:
+        return
+    tables = {str(name) for (name,) in rows}
+    others = sorted(t for t in tables - {migrate.VERSION_TABLE} if not t.startswith("sqlite_"))
+    if migrate.VERSION_TABLE not in tables and others:
+        shown = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")
+        foreign = ForeignDatabase(
+            f"database holds other tables ({shown}) and no agent-txn schema: is it agent-txn's "
+            "database? Nothing was changed; run `agent-txn db upgrade` to add its tables beside "
+            "them on purpose"
+        )
+        # The registered code the engine gives the same refusal (Orchestrator.open).
+        raise SchemaOutdatedError(str(foreign)) from foreign
 
 
 async def _open_for_reading(url: str) -> Orchestrator:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import sqlite3
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -129,3 +130,22 @@ def test_acknowledge_exits_1_when_an_execution_is_not_found(db_urls: DbUrls) -> 
         assert result.exit_code == 1, (result.stdout, result.stderr)
         markers = json.loads(result.stdout)["markers"]
         assert markers == [{"execution_id": "nope", "result": "not_found"}]
+
+
+@pytest.mark.parametrize(
+    "command", [*READ_COMMANDS, ["worker", "--once"]], ids=lambda c: "-".join(c)
+)
+def test_another_applications_sqlite_file_is_refused_unchanged(
+    tmp_path: Path, command: list[str]
+) -> None:
+    # SQLite only: the engine's first connection switched the file to WAL (journal_mode is a
+    # SQLite setting), changing a database the command then refused as not agent-txn's.
+    path = tmp_path / "other.db"
+    with sqlite3.connect(path) as conn:
+        conn.execute("CREATE TABLE customers (id INTEGER PRIMARY KEY)")
+    conn.close()
+    before = path.read_bytes()
+    line = refused(run(*command, "--db", f"sqlite:///{path}"))
+    assert line.startswith("error: schema_outdated: database holds other tables (customers)")
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other.db"]  # no -wal, no -shm
