@@ -15,10 +15,12 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import sqlite3
 import sys
 from collections.abc import Coroutine
 from pathlib import Path
 from typing import Annotated, Any, Final, NoReturn, TypeVar
+from urllib.parse import unquote
 
 import typer
 from pydantic import ValidationError
@@ -33,7 +35,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 
 from ledger import dialects, migrate
-from ledger.errors import StorageError
+from ledger.errors import ForeignDatabase, StorageError
 from ledger.schema import ledger as ledger_table
 from ledger.schema import transactions as transactions_table
 from ledger.store import SQLITE_WRITERS, SqliteWriter
@@ -49,7 +51,7 @@ from orchestrator.demo import (
     utc_iso,
 )
 from orchestrator.engine import Orchestrator
-from orchestrator.errors import AgentTxnError
+from orchestrator.errors import AgentTxnError, SchemaOutdatedError
 from orchestrator.logging import LEVELS, configure_logging, level_number
 from orchestrator.mcp_server import mcp as mcp_command
 from orchestrator.ops_cli import ops_app
@@ -167,6 +169,11 @@ def _expected_failure(exc: BaseException) -> tuple[str, int] | None:
     """The line and exit code for a failure a user can act on (``None``: a bug)."""
     if isinstance(exc, CliFailure):
         return exc.message, exc.code
+    refusal = _server_refusal(exc)
+    if refusal is not None:
+        # Before the store's own wording: "refused the connection (3D000)" hid the server's
+        # "database "x" does not exist", which names what to fix.
+        return refusal, EXIT_USAGE
     if isinstance(exc, AgentTxnError):
         return _describe(exc), EXIT_USAGE
     if isinstance(exc, DemoError):
@@ -181,16 +188,41 @@ def _expected_failure(exc: BaseException) -> tuple[str, int] | None:
     return None
 
 
+#: SQLSTATE classes of PostgreSQL's refusals to let a session start: 28 (authorization: bad
+#: user or password), 3D (invalid catalog name: no such database). Their text names what to fix
+#: and holds no row data, unlike the messages of failed statements.
+_SERVER_REFUSAL_CLASSES: Final = ("28", "3D")
+
+
+def _server_refusal(exc: BaseException) -> str | None:
+    """The server's own line when ``exc`` was caused (however wrapped: SQLAlchemy, the store's
+    translation, an engine error) by PostgreSQL refusing the session; ``None`` otherwise."""
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [exc]
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        sqlstate = getattr(current, "sqlstate", None)
+        driver = type(current).__module__.partition(".")[0] == "asyncpg"
+        if driver and isinstance(sqlstate, str) and sqlstate[:2] in _SERVER_REFUSAL_CLASSES:
+            return f"PostgreSQL: {current} ({type(current).__name__})"
+        pending += [current.__cause__, current.__context__, getattr(current, "orig", None)]
+    return None
+
+
 def _driver_message(exc: Exception) -> str | None:
     """One line for a raw driver error, or ``None`` when ``exc`` is not one."""
+    # asyncpg raises its server errors unwrapped while connecting (unknown database, bad
+    # password); the server's text names the problem and holds no row data. Checked before
+    # the translation, which knows only the SQLSTATE class ("refused the connection (3D000)").
+    if type(exc).__module__.partition(".")[0] == "asyncpg":
+        return f"PostgreSQL: {exc} ({type(exc).__name__})"
     # ``db upgrade`` talks to the engine without the store, so nothing translated its errors.
     translated = dialects.translate(exc)
     if translated is not None:
         return f"{type(translated).__name__}: {translated}"
-    # asyncpg raises its server errors unwrapped while connecting (unknown database, bad
-    # password); the server's text names the problem and holds no row data.
-    if type(exc).__module__.partition(".")[0] == "asyncpg":
-        return f"PostgreSQL: {exc} ({type(exc).__name__})"
     return None
 
 
@@ -202,7 +234,24 @@ def _checked_url(url: str, option: str = "--db") -> str:
         make_url(normalized).get_dialect()  # is the driver installed?
     except (ArgumentError, NoSuchModuleError, ValueError) as exc:
         raise CliFailure(f"{option}: {exc}") from None
+    _check_sqlite_location(normalized, option)
     return normalized
+
+
+def _check_sqlite_location(url: str, option: str) -> None:
+    """Refuse a SQLite file SQLite cannot open or create, naming the option: the driver said
+    only "StoreUnavailable: database operational error" for a folder given as the file or a
+    file in a folder that does not exist, which left the operator guessing which URL."""
+    path = _sqlite_path(url)
+    if path is None:
+        return
+    if path.is_dir():
+        raise CliFailure(f"{option}: {path} is a directory, not a SQLite database file")
+    if not path.parent.is_dir():
+        raise CliFailure(
+            f"{option}: {path} does not exist and cannot be made: "
+            f"directory {path.parent} does not exist"
+        )
 
 
 def engine_settings(**options: Any) -> EngineSettings:
@@ -232,13 +281,26 @@ def _checked_sqlite_writer(value: str | None) -> SqliteWriter | None:
 
 
 def _sqlite_path(url: str) -> Path | None:
+    """The file a SQLite URL opens, or ``None`` (not SQLite, or in memory)."""
     parsed = make_url(url)
     if parsed.get_backend_name() != "sqlite" or dialects.in_memory(url):
         return None
     database = parsed.database or ""
-    if database.startswith("file:"):
+    if database.startswith("file:") and parsed.query.get("uri") == "true":
+        return _sqlite_uri_path(database, parsed.query.get("mode"))
+    return Path(database)  # without uri=true, SQLite takes "file:x.db" as a plain file name
+
+
+def _sqlite_uri_path(uri: str, mode: Any) -> Path | None:
+    """The file of a SQLite ``file:`` URI (``file:x.db``, ``file:/abs/x.db``, ``file:///abs``),
+    ``None`` for ``mode=memory``: skipping every ``file:`` name let each read command create
+    the empty file it then refused as having no schema."""
+    if mode == "memory":
         return None
-    return Path(database)
+    rest = uri.removeprefix("file:")
+    if rest.startswith("//"):  # file://[localhost]/path: an authority, then an absolute path
+        rest = "/" + rest[2:].partition("/")[2]
+    return Path(unquote(rest))
 
 
 def _refuse_in_memory(url: str) -> None:
@@ -257,6 +319,34 @@ def _require_existing(url: str) -> None:
     path = _sqlite_path(url)
     if path is not None and not path.exists():
         raise CliFailure(f"no agent-txn database at {path}; run `agent-txn db upgrade --db {url}`")
+    if path is not None:
+        _refuse_foreign_sqlite(path)
+
+
+def _refuse_foreign_sqlite(path: Path) -> None:
+    """Refuse another application's SQLite file before the engine opens it: its first connection
+    switches the file to WAL, so a read-only command (``db current``, ``principals list``)
+    changed a database it then refused as not agent-txn's. Read through a read-only connection,
+    which changes nothing; a file it cannot read is left to the engine to report."""
+    try:
+        peek = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
+        try:
+            rows = peek.execute("SELECT name FROM sqlite_master WHERE type = 'table'").fetchall()
+        finally:
+            peek.close()
+    except sqlite3.Error:
+        return
+    tables = {str(name) for (name,) in rows}
+    others = sorted(t for t in tables - {migrate.VERSION_TABLE} if not t.startswith("sqlite_"))
+    if migrate.VERSION_TABLE not in tables and others:
+        shown = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")
+        foreign = ForeignDatabase(
+            f"database holds other tables ({shown}) and no agent-txn schema: is it agent-txn's "
+            "database? Nothing was changed; run `agent-txn db upgrade` to add its tables beside "
+            "them on purpose"
+        )
+        # The registered code the engine gives the same refusal (Orchestrator.open).
+        raise SchemaOutdatedError(str(foreign)) from foreign
 
 
 async def _open_for_reading(url: str) -> Orchestrator:
@@ -415,9 +505,6 @@ def _checked_url_or_exit(url: str, option: str) -> str:
 async def _revisions(url: str, *, apply: bool) -> tuple[str | None, str | None]:
     url = _checked_url(url)
     _refuse_in_memory(url)
-    path = _sqlite_path(url)
-    if path is not None and not path.parent.exists():
-        raise CliFailure(f"directory {path.parent} does not exist")
     if not apply:
         _require_existing(url)
     engine = dialects.create_engine(url)

@@ -194,6 +194,12 @@ def acknowledge(
     )["markers"]
     text = "\n".join(f"{m['execution_id']}  {m['result']}" for m in rows)
     _print({"markers": rows}, as_json, text)
+    if any(m["result"] == "not_found" for m in rows):
+        # The output says which; the exit code lets a script see that not every named
+        # marker was there (a typo, another tenant's) without parsing it.
+        from orchestrator import cli
+
+        raise typer.Exit(cli.EXIT_PROBLEM)
 
 
 async def _wrap(job: Awaitable[list[dict[str, Any]]]) -> dict[str, Any]:

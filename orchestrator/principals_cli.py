@@ -28,7 +28,7 @@ from rich.markup import escape
 
 from ledger import principals as repo
 from ledger.schema import NAME_LENGTH, SAGA_NAME_LENGTH, TENANT_LENGTH
-from ledger.store import Store
+from ledger.store import Store, Work
 from orchestrator.authz import MIN_HS256_SECRET_BYTES, hash_api_key
 
 T = TypeVar("T")
@@ -137,6 +137,20 @@ async def _require_principal(store: Store, principal_id: str) -> repo.PrincipalR
         row = await repo.get_principal(conn, principal_id)
     if row is None:
         raise _refuse(f"no principal {principal_id!r}")
+    return row
+
+
+async def _require_live(work: Work, principal_id: str) -> repo.PrincipalRow:
+    """The principal, read inside the changing transaction; a deleted one is refused.
+
+    A deleted principal is refused by every request whatever its flags, grants or rooms, so
+    enabling, verifying, granting or joining it only printed a success that changed nothing an
+    operator could use (and ``list`` then showed it ``[verified,deleted]``)."""
+    row = await repo.get_principal(work.conn, principal_id)
+    if row is None:
+        raise _refuse(f"no principal {principal_id!r}")
+    if not row.alive:
+        raise _refuse(f"principal {principal_id!r} is deleted: it can no longer be changed")
     return row
 
 
@@ -283,8 +297,8 @@ def list_(
 def _set_flags(db: str, principal_id: str, done: str, **flags: bool) -> None:
     async def job(store: Store) -> None:
         async with store.transaction() as work:
-            if not await repo.set_flags(work, principal_id, **flags):
-                raise _refuse(f"no principal {principal_id!r}")
+            await _require_live(work, principal_id)
+            await repo.set_flags(work, principal_id, **flags)
 
     _run(db, job)
     _print(f"{escape(principal_id)} {done}")
@@ -356,8 +370,8 @@ def grant(
             )
 
     async def job(store: Store) -> str:
-        await _require_principal(store, principal_id)
         async with store.transaction() as work:
+            await _require_live(work, principal_id)
             return await repo.grant(
                 work,
                 principal_id=principal_id,
@@ -418,8 +432,8 @@ def join(
     checked_text(room_id, "ROOM_ID", 64)
 
     async def job(store: Store) -> None:
-        await _require_principal(store, principal_id)
         async with store.transaction() as work:
+            await _require_live(work, principal_id)
             await repo.join_room(work, room_id, principal_id, language.value if language else None)
 
     _run(db, job)
@@ -474,16 +488,37 @@ def token(
         if claim is not None:
             checked_text(claim, hint, 256)  # an empty aud or iss matches no server's setting
 
-    async def job(store: Store) -> repo.PrincipalRow:
-        return await _require_principal(store, principal_id)
+    async def job(store: Store) -> tuple[repo.PrincipalRow, repo.MembershipRow | None]:
+        row = await _require_principal(store, principal_id)
+        if room is None:
+            return row, None
+        async with store.read() as conn:
+            return row, await repo.membership(conn, room, principal_id)
 
-    row = _run(db, job)
-    if row.disabled or row.deleted_at is not None:
-        # Every request with it would be refused (authz.load_caller): say so now, not there.
-        state = "disabled" if row.disabled else "deleted"
-        from orchestrator import cli
+    row, member = _run(db, job)
+    # Every request with such a token would be refused (authz.load_principal, in its order):
+    # say so now, not there.
+    state = next(
+        (
+            name
+            for name, refused in (
+                ("deleted", not row.alive),
+                ("unverified", not row.verified),
+                ("disabled", row.disabled),
+            )
+            if refused
+        ),
+        None,
+    )
+    from orchestrator import cli
 
+    if state is not None:
         cli._fail(f"principal {principal_id!r} is {state}: its tokens would be refused")
+    if room is not None and (member is None or not member.current):
+        cli._fail(
+            f"principal {principal_id!r} is not a member of room {room!r}: "
+            "a token bound to it would be refused"
+        )
     now = int(time.time())
     claims: dict[str, Any] = {
         "sub": row.principal_id,
