@@ -329,10 +329,13 @@ class CommandService:
         self, caller: Caller, *, skip: int = 0, limit: int = 50
     ) -> builtins.list[dict[str, Any]]:
         """Commands of this tenant the caller can act in, newest first; the scopes are judged
-        first, then the database filters and pages (``skip``/``limit``)."""
+        first, then the database filters and pages (``skip``/``limit``). A caller who may not
+        act in this tenant at all (unknown, another tenant's, deleted, unverified, disabled) is
+        the uniform refusal, as on every other call, not an empty list that looks like one."""
         authz.require_jwt(caller)
         _check_page(skip, limit)
         async with self._read() as conn:
+            await authz.require_known_principal(conn, caller, tenant=self.tenant)
             company, rooms = await self._actable_scopes(conn, caller)
             if not company and not rooms:
                 return []

@@ -241,7 +241,12 @@ class McpTools:
         found: list[VisibleCommand] = []
         skip = 0
         while len(found) < MAX_COMMANDS:
-            page = await self.orch.commands.list(self.caller, skip=skip, limit=_PAGE)
+            try:
+                page = await self.orch.commands.list(self.caller, skip=skip, limit=_PAGE)
+            except PrincipalNotAuthorized:
+                # A session whose principal may not act here lists no tools (``tools/list`` has
+                # no closed-result form to carry a refusal); each call is refused on its own.
+                return []
             for view in page:
                 definition = view.get("definition") or {}
                 found.append(

@@ -10,6 +10,7 @@ from ledger.effects import Effect
 from ledger.states import TX_TERMINAL, EffectState, TxState
 from ledger.transactions import TxRecord
 from orchestrator.errors import REGISTRY
+from providers.contract import full_remote_id
 
 if TYPE_CHECKING:
     from orchestrator.driver import SagaRun
@@ -60,7 +61,13 @@ class SagaResult:
 
 
 def _confirmed(ops: Sequence[Effect]) -> tuple[dict[str, str], dict[str, Any]]:
-    ids = {o.name: o.remote_id for o in ops if o.state is EffectState.CONFIRMED and o.remote_id}
+    # The provider's whole id, also where an over-long one is stored as its stand-in
+    # (``orchestrator.driver.storable_remote_id``): the caller asked the provider, not us.
+    ids = {
+        o.name: full_remote_id(o.remote_id, o.result) or o.remote_id
+        for o in ops
+        if o.state is EffectState.CONFIRMED and o.remote_id
+    }
     results = {o.name: o.result for o in ops if o.state is EffectState.CONFIRMED}
     return ids, results
 

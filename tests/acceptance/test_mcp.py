@@ -381,6 +381,21 @@ async def test_only_unambiguous_execute_commands_get_a_tool_of_their_own(world: 
     assert (await world.shop.counts())["payments.charge"] == 0
 
 
+async def test_a_session_of_nobody_lists_no_command_and_every_call_is_refused(
+    world: World,
+) -> None:
+    tools = await _tools(world)  # alice's command exists; the session's principal does not
+    await world.orch.commands.create(Caller("alice", "user", "jwt"), order_command())
+    generic = [PREPARE_ACTION, EXECUTE_STAGED_ACTION, EXECUTION_STATUS]
+    assert [t["name"] for t in await tools.tools()] == ["prepare_order", *generic]
+
+    nobody = McpTools(world.orch, session_caller(Caller("nobody", "user", "jwt"), ROOM))
+    assert [t["name"] for t in await nobody.tools()] == generic  # the listing was refused
+    refused = await nobody.call(PREPARE_ACTION, {"command": "order", "inputs": ORDER})
+    assert refused["status"] == "failed"
+    assert (await world.shop.counts())["payments.charge"] == 0
+
+
 async def test_an_unexpected_failure_is_a_closed_result_without_its_text(
     world: World, monkeypatch: pytest.MonkeyPatch
 ) -> None:

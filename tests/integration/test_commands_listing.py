@@ -106,12 +106,15 @@ async def test_a_member_of_every_room_pages_across_all_of_them(world: World) -> 
     assert pages == expected
 
 
-async def test_a_refused_principal_lists_nothing(world: World) -> None:
+async def test_a_refused_principal_is_refused_not_shown_an_empty_list(world: World) -> None:
+    # As over REST (tests/api/test_unknown_principal.py): the Python API decides the same.
     svc, alice, _scopes = await _world_of_commands(world)
     async with world.orch.store.transaction() as work:
         await principals.set_flags(work, "alice", disabled=True)
-    assert await svc.list(alice) == []
-    assert await svc.list(Caller(principal_id="nobody", kind="user", auth="jwt")) == []
+    with pytest.raises(errors.PrincipalNotAuthorized):
+        await svc.list(alice)
+    with pytest.raises(errors.PrincipalNotAuthorized):
+        await svc.list(Caller(principal_id="nobody", kind="user", auth="jwt"))
 
 
 async def test_page_parameters_out_of_range_are_refused(world: World) -> None:

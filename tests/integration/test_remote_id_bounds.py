@@ -145,6 +145,9 @@ async def test_an_over_long_id_is_recorded_and_the_saga_commits(world: World) ->
     counts = await world.shop.counts()
     assert (counts["inventory.reserve"], counts["email.send"]) == (1, 1)
     (reservation,) = await world.shop.effects("inventory.reserve")
+    # The caller is handed the provider's whole id, by the run and by a later read alike.
+    assert result.remote_ids["reserve"] == _long(reservation.remote_id)
+    assert (await orch.result(result.tx_id)).remote_ids["reserve"] == _long(reservation.remote_id)
     _assert_recorded_bounded(await _reserve_row(orch, result.tx_id), reservation.remote_id)
     # The receipt's record rides on a later transaction (ledger/riders.py): bounded there too.
     await orch.store.riders.settle()
