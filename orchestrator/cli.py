@@ -888,4 +888,10 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    # Run as ``python -m orchestrator.cli`` (the fleet's and the scenarios' worker processes),
+    # this file is ``__main__``: a second copy of the module, whose ``CliFailure`` is not the
+    # class other modules raise (they import ``orchestrator.cli``), so their refusals escaped
+    # ``_run`` as tracebacks. The one importable copy runs instead.
+    from orchestrator.cli import main as _main
+
+    _main()
