@@ -16,42 +16,17 @@ from typing import TYPE_CHECKING
 
 import pytest
 from rich.console import Console
-from sqlalchemy import text
 
-from ledger import dialects
 from orchestrator.cli import DEMO_MARK
 from orchestrator.demo import run_demo
 from tests.acceptance.test_cli import assert_clean_failure, cli
 from tests.conftest import pg_url_for
+from tests.support.sync_db import execute, table_names
 
 if TYPE_CHECKING:
     from tests.conftest import DbUrls
 
 DEFAULT_FOLDER = "agent-txn-demo"
-
-
-def _tables(url: str) -> set[str]:
-    async def read() -> set[str]:
-        engine = dialects.create_engine(url)
-        try:
-            async with engine.connect() as conn:
-                return await dialects.table_names(conn)
-        finally:
-            await engine.dispose()
-
-    return asyncio.run(read())
-
-
-def _execute(url: str, statement: str) -> None:
-    async def run() -> None:
-        engine = dialects.create_engine(url)
-        try:
-            async with engine.begin() as conn:
-                await conn.execute(text(statement))
-        finally:
-            await engine.dispose()
-
-    asyncio.run(run())
 
 
 def test_a_db_in_a_missing_folder_is_refused_before_the_demo_folder_is_made(
@@ -89,18 +64,18 @@ def test_a_store_with_transactions_is_refused_before_the_shop_is_stocked(
 
 @pytest.mark.empty_databases
 def test_a_store_holding_other_tables_is_refused_untouched(db_urls: DbUrls, tmp_path: Path) -> None:
-    _execute(db_urls.store, "CREATE TABLE invoices (id INTEGER PRIMARY KEY)")
-    provider_before = set() if db_urls.backend == "sqlite" else _tables(db_urls.provider)
+    execute(db_urls.store, "CREATE TABLE invoices (id INTEGER PRIMARY KEY)")
+    provider_before = set() if db_urls.backend == "sqlite" else table_names(db_urls.provider)
     run = cli("demo", "--db", db_urls.store, "--provider-db", db_urls.provider, cwd=tmp_path)
     assert_clean_failure(run)
     assert "needs an agent-txn database of its own; this one holds other tables (invoices)" in (
         run.err
     )
-    assert _tables(db_urls.store) == {"invoices"}
+    assert table_names(db_urls.store) == {"invoices"}
     if db_urls.backend == "sqlite":
         assert not (tmp_path / "provider.db").exists()
     else:
-        assert _tables(db_urls.provider) == provider_before
+        assert table_names(db_urls.provider) == provider_before
 
 
 def test_two_spellings_of_one_sqlite_file_are_one_database(tmp_path: Path) -> None:

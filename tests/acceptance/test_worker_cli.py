@@ -9,19 +9,17 @@ gone at exit) and reported ``claimed 0``, exit 0. Its ``--app`` failures printed
 
 from __future__ import annotations
 
-import asyncio
 import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
-from sqlalchemy import text
 from typer.testing import CliRunner, Result
 
-from ledger import dialects
 from orchestrator.cli import app
 from orchestrator.workerproc import close_all, load_providers
+from tests.support.sync_db import execute, table_names
 
 if TYPE_CHECKING:
     from tests.conftest import DbUrls
@@ -44,30 +42,6 @@ def _assert_refused(got: Result, message: str) -> None:
     assert "claimed" not in got.output
 
 
-def _tables(url: str) -> set[str]:
-    async def read() -> set[str]:
-        engine = dialects.create_engine(url)
-        try:
-            async with engine.connect() as conn:
-                return await dialects.table_names(conn)
-        finally:
-            await engine.dispose()
-
-    return asyncio.run(read())
-
-
-def _execute(url: str, statement: str) -> None:
-    async def run() -> None:
-        engine = dialects.create_engine(url)
-        try:
-            async with engine.begin() as conn:
-                await conn.execute(text(statement))
-        finally:
-            await engine.dispose()
-
-    asyncio.run(run())
-
-
 # -- the store ----------------------------------------------------------------------------------
 
 
@@ -88,26 +62,26 @@ def test_a_database_without_the_schema_is_refused_not_migrated(
     db_urls: DbUrls, holding: str
 ) -> None:
     if db_urls.backend == "sqlite":
-        _execute(db_urls.store, "SELECT 1")  # the file exists, and holds no table
+        execute(db_urls.store, "SELECT 1")  # the file exists, and holds no table
     if holding == "other tables":
-        _execute(db_urls.store, "CREATE TABLE invoices (id INTEGER PRIMARY KEY)")
-    before = _tables(db_urls.store)
+        execute(db_urls.store, "CREATE TABLE invoices (id INTEGER PRIMARY KEY)")
+    before = table_names(db_urls.store)
     _assert_refused(_worker("--db", db_urls.store), "agent-txn db upgrade")
     assert "schema_outdated" in _worker("--db", db_urls.store).output
-    assert _tables(db_urls.store) == before
+    assert table_names(db_urls.store) == before
 
 
 def test_swapped_databases_are_refused_before_anything_is_written(db_urls: DbUrls) -> None:
     # --db names the shop's database, --fake-shop ours: the shop wrote its tables into ours
     # and the store its schema into the shop's, then the worker idled, exit 0.
-    store_before, shop_before = _tables(db_urls.store), _tables(db_urls.provider)
+    store_before, shop_before = table_names(db_urls.store), table_names(db_urls.provider)
     assert shop_before >= SHOP_TABLES and AGENT_TABLE not in shop_before
     got = _worker("--db", db_urls.provider, "--fake-shop", db_urls.store)
     _assert_refused(got, "schema_outdated")
     # Not "empty, run db upgrade": that would advise migrating the shop's database.
     assert "holds other tables (calls, charges, effects, ...)" in got.output
-    assert _tables(db_urls.store) == store_before
-    assert _tables(db_urls.provider) == shop_before
+    assert table_names(db_urls.store) == store_before
+    assert table_names(db_urls.provider) == shop_before
 
 
 def test_a_prepared_store_still_runs(db_urls: DbUrls) -> None:
