@@ -313,3 +313,19 @@ async def world(db_urls: DbUrls) -> AsyncIterator[World]:
         for o in [orch, *w.extra]:
             await o.close()
         await shop.close()
+
+
+@pytest.fixture
+def nothing_runs(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The fault suites ``fault-inject run`` started: none, when a run is refused (the option
+    tests assert that); a suite that does start finds nothing to do."""
+    from fault_injection import cli as fault_cli
+
+    started: list[str] = []
+
+    async def run_one(name: str, *_: object, **__: object) -> list[object]:
+        started.append(name)
+        return []
+
+    monkeypatch.setattr(fault_cli, "_run_one", run_one)
+    return started

@@ -44,19 +44,6 @@ def _refused(got: Result, message: str) -> None:
     )
 
 
-@pytest.fixture
-def nothing_runs(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The suites that started (none, when a run is refused); a started one finds nothing."""
-    started: list[str] = []
-
-    async def run_one(name: str, *_: object, **__: object) -> list[object]:
-        started.append(name)
-        return []
-
-    monkeypatch.setattr(cli, "_run_one", run_one)
-    return started
-
-
 # -- 4: worker and shop processes that cannot start -----------------------------------------
 
 

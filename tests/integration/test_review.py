@@ -30,7 +30,9 @@ async def _park(world: World) -> str:
     return result.tx_id
 
 
-def _cli(world: World, *args: str) -> subprocess.CompletedProcess[str]:
+def run_cli(world: World, *args: str) -> subprocess.CompletedProcess[str]:
+    """``agent-txn ARGS --db <the world's store>`` in a fresh process (also used by
+    ``test_review_parked.py``)."""
     return subprocess.run(
         [sys.executable, "-m", "orchestrator.cli", *args, "--db", world.urls.store],
         cwd=ROOT,
@@ -43,14 +45,14 @@ def _cli(world: World, *args: str) -> subprocess.CompletedProcess[str]:
 @pytest.mark.parametrize("decision", ["confirmed", "failed"])
 async def test_review_round_trip(world: World, decision: str) -> None:
     tx_id = await _park(world)
-    listed = _cli(world, "review", "list")
+    listed = run_cli(world, "review", "list")
     assert (
         listed.returncode == 0 and tx_id in listed.stdout and "lookup_unavailable" in listed.stdout
     )
 
     charge = (await world.shop.effects("payments.charge"))[0]  # the effect did happen
     extra = ["--remote-id", charge.remote_id or ""] if decision == "confirmed" else []
-    done = _cli(
+    done = run_cli(
         world,
         "review",
         "resolve",
@@ -89,7 +91,7 @@ async def test_review_round_trip(world: World, decision: str) -> None:
 
 async def test_resolving_something_not_parked_is_refused(world: World) -> None:
     result = await world.orch.execute(order_saga(), order("43"))
-    done = _cli(
+    done = run_cli(
         world,
         "review",
         "resolve",
@@ -106,7 +108,7 @@ async def test_resolving_something_not_parked_is_refused(world: World) -> None:
     assert (
         done.returncode == 2 and "not_resolvable" in done.stderr and "Traceback" not in done.stderr
     )
-    bad = _cli(
+    bad = run_cli(
         world,
         "review",
         "resolve",
@@ -140,7 +142,7 @@ async def test_a_decision_with_a_missing_or_stray_field_names_it_and_changes_not
 ) -> None:
     tx_id = await _park(world)
     before = await world.orch.get(tx_id)
-    done = _cli(world, "review", "resolve", tx_id, "--op", "charge", *extra)
+    done = run_cli(world, "review", "resolve", tx_id, "--op", "charge", *extra)
     assert done.returncode == 2, done.stderr
     assert f'"field":"{field}"' in done.stderr and "Traceback" not in done.stderr
     after = await world.orch.get(tx_id)

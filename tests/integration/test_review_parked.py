@@ -7,10 +7,6 @@ fake shop's own database, not only in our bookkeeping.
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 from fault_injection.sagas import CHARGE, RECEIPT, RESERVE, order, order_saga
 from ledger.effects import REMOTE_ID_MAX, EffectKind
 from ledger.states import EffectState, TxState
@@ -19,9 +15,8 @@ from orchestrator.engine import Orchestrator
 from orchestrator.expressions import ref
 from orchestrator.saga import Saga, Step
 from providers.fake.faults import FaultKind, FaultRule
+from tests.integration.test_review import run_cli
 from tests.support.world import World
-
-ROOT = Path(__file__).resolve().parents[2]
 
 #: A step after the pivot (the charge): it may not turn the saga back.
 NOTIFY = Step(
@@ -33,18 +28,8 @@ NOTIFY = Step(
 )
 
 
-def _cli(world: World, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "orchestrator.cli", *args, "--db", world.urls.store],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-
-
 def _resolve(world: World, tx_id: str, op: str, as_state: str, *extra: str) -> str:
-    done = _cli(
+    done = run_cli(
         world,
         "review",
         "resolve",
@@ -93,7 +78,7 @@ async def test_a_refused_reversal_waits_for_a_decision_and_the_saga_ends_compens
     assert refund.state is EffectState.MANUAL_REVIEW and refund.last_error == "rejected"
     assert _effect(view.compensations, "reserve").state is EffectState.PENDING
 
-    listed = _cli(world, "review", "list")
+    listed = run_cli(world, "review", "list")
     assert listed.returncode == 0 and "decide: --op charge --as confirmed\n" in listed.stdout
 
     # "Not reversed" would leave the charge standing with nothing to undo it: refused, and
@@ -187,7 +172,7 @@ async def test_a_parked_outbox_event_is_listed_counted_and_resolved(world: World
     assert _effect(view.outbox, "receipt").state is EffectState.MANUAL_REVIEW
 
     assert (await orch.status())["manual_review"] == 1
-    listed = _cli(world, "review", "list")
+    listed = run_cli(world, "review", "list")
     assert result.tx_id in listed.stdout and "outbox event is parked" in listed.stdout
     assert "decide: --op receipt --as confirmed|failed" in listed.stdout
 
@@ -198,7 +183,7 @@ async def test_a_parked_outbox_event_is_listed_counted_and_resolved(world: World
     receipt = _effect(final.outbox, "receipt")
     assert (receipt.state, receipt.remote_id) == (EffectState.CONFIRMED, sent.remote_id)
     assert (await orch.status())["manual_review"] == 0
-    assert "nothing is waiting for review" in _cli(world, "review", "list").stdout
+    assert "nothing is waiting for review" in run_cli(world, "review", "list").stdout
     assert (await world.shop.counts())["email.send"] == 1
 
 
@@ -222,15 +207,15 @@ async def _park_charges(world: World, n: int) -> list[str]:
 
 async def test_the_list_says_how_many_more_and_pages_on(world: World) -> None:
     ids = await _park_charges(world, 3)
-    first = _cli(world, "review", "list", "--limit", "2")
+    first = run_cli(world, "review", "list", "--limit", "2")
     assert first.returncode == 0 and "1 more: --skip 2" in first.stdout
-    rest = _cli(world, "review", "list", "--limit", "2", "--skip", "2")
+    rest = run_cli(world, "review", "list", "--limit", "2", "--skip", "2")
     assert rest.returncode == 0 and "more:" not in rest.stdout
     shown = [t for t in ids if t + " " in first.stdout or t + " " in rest.stdout]
     assert shown == ids
     page = await review.list_parked(world.orch, limit=2, skip=1)
     assert ([p.tx_id for p in page.items], page.total, page.more) == (ids[1:], 3, 0)
-    bad = _cli(world, "review", "list", "--limit", "0")
+    bad = run_cli(world, "review", "list", "--limit", "0")
     assert bad.returncode == 2 and "invalid_identifier" in bad.stderr
 
 

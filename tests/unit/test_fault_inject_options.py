@@ -20,19 +20,6 @@ from fault_injection.faulty_shop import parse_faults
 from fault_injection.schedules import generate
 
 
-@pytest.fixture
-def nothing_runs(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The suites that would have started: every case below must be refused before any."""
-    started: list[str] = []
-
-    async def run_one(name: str, *_: object, **__: object) -> list[object]:
-        started.append(name)
-        return []
-
-    monkeypatch.setattr(cli, "_run_one", run_one)
-    return started
-
-
 @pytest.mark.parametrize(
     ("args", "message"),
     [
